@@ -1,0 +1,396 @@
+"""Leaves of the state tree and how each becomes *pieces*: views of local memory tied to boxes
+of logical tensors in global coordinates.
+
+Every leaf kind of the public contract reduces to :class:`Piece` s:
+
+- a plain ``torch.Tensor``: the whole logical tensor, replicated on every rank;
+- a ``DTensor``: the box its mesh coordinate and placements select (``Shard(d)`` with torch's
+  uneven ``chunk`` split, ``Replicate``; several mesh dims may shard one tensor dim);
+- :class:`Shard`: an n-d box at given offsets;
+- :class:`FlatShard`: a slice of a padded ZeRO-style flat buffer; each member it overlaps yields
+  the boxes of :func:`ckptd.regions.flat_to_boxes` (padding yields nothing);
+- :class:`Fused`: boxes of several logical tensors concatenated along one dimension.
+
+Names of a ``FlatShard``'s members and a ``Fused`` 's parts are relative to the container that
+holds the leaf: the leaf stands in for its members, whose names are siblings of its key.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from ckptd.errors import StateMismatch
+from ckptd.regions import Box, flat_to_boxes
+
+Shape = tuple[int, ...]
+
+
+@dataclass
+class Shard:
+    """``local`` is the n-d box of the logical tensor at ``offsets``.
+
+    ``replica`` is this copy's index among identical copies of the same box; ``replicas`` (how
+    many copies exist, when known) lets ckptd spread the writing of replicated boxes across the
+    copies instead of always writing copy 0.
+    """
+
+    local: torch.Tensor
+    global_shape: Sequence[int]
+    offsets: Sequence[int]
+    replica: int = 0
+    replicas: int = 1
+
+
+Member = Union[tuple[str, Sequence[int]], tuple[str, Sequence[int], Sequence[int], Sequence[int]]]
+
+
+@dataclass
+class FlatShard:
+    """``local`` (1-D) holds elements ``[start, start + local.numel())`` of a flat buffer that is
+    the concatenation of ``members``, each flattened row-major, then padding.
+
+    A member is ``(name, global_shape)`` for a whole logical tensor or
+    ``(name, global_shape, offsets, sizes)`` for a box of one (a tensor-parallel shard inside a
+    ZeRO buffer); a dict ``name -> global_shape`` is accepted for whole tensors.
+    """
+
+    local: torch.Tensor
+    members: Sequence[Member] | Mapping[str, Sequence[int]]
+    start: int
+    replica: int = 0
+    replicas: int = 1
+
+
+@dataclass
+class Fused:
+    """``local`` is the concatenation along ``dim`` of boxes of several logical tensors;
+    ``parts`` are ``(name, global_shape, offsets, sizes)`` in order (fused QKV, gate/up)."""
+
+    local: torch.Tensor
+    dim: int
+    parts: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]]
+    replica: int = 0
+    replicas: int = 1
+
+
+@dataclass
+class Local:
+    """A per-rank value (a tensor or a JSON-able value), saved per rank.
+
+    On load, rank ``r`` receives what rank ``r`` saved. A rank that did not exist in the saved
+    world keeps its current value (policy ``"keep"``).
+    """
+
+    value: Any
+
+
+LOCAL_PREFIX = "__local__"
+
+
+def local_name(rank: int, name: str) -> str:
+    return f"{LOCAL_PREFIX}/{rank}/{name}"
+
+
+@dataclass
+class Piece:
+    """A view of local memory that holds ``box`` of logical tensor ``name``."""
+
+    name: str
+    global_shape: Shape
+    dtype: torch.dtype
+    box: Box
+    view: torch.Tensor
+    replica: int = 0
+    replicas: int = 1
+
+    def writer_copy(self) -> int:
+        """Which copy among identical ones writes this piece: a stable hash spreads the work."""
+        if self.replicas <= 1:
+            return 0
+        key = f"{self.name}|{self.box.offsets}|{self.box.sizes}".encode()
+        return zlib.crc32(key) % self.replicas
+
+    @property
+    def is_writer(self) -> bool:
+        return self.replica == self.writer_copy()
+
+
+@dataclass
+class Slot:
+    """Where a non-tensor leaf lives, so that a load can replace it in its container."""
+
+    container: dict[Any, Any] | list[Any]
+    key: Any
+
+
+@dataclass
+class Described:
+    pieces: list[Piece] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    slots: dict[str, Slot] = field(default_factory=dict)
+    # name -> JSON value or tensor; tensors also appear in ``pieces`` under local_name(rank, name)
+    locals: dict[str, Any] = field(default_factory=dict)
+    local_slots: dict[str, Slot] = field(default_factory=dict)
+
+    def tensor_names(self) -> set[str]:
+        return {p.name for p in self.pieces}
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}/{key}" if prefix else key
+
+
+def _is_dtensor(x: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(x, DTensor)
+
+
+def _is_json_scalar(x: object) -> bool:
+    return x is None or isinstance(x, (bool, int, float, str))
+
+
+def walk(
+    tree: Any, prefix: str = ""
+) -> Iterator[tuple[str, Any, dict[Any, Any] | list[Any] | None, Any]]:
+    """Yield ``(path, leaf, container, key)`` for every leaf; empty containers are leaves."""
+    items: Iterator[tuple[Any, Any]]
+    if isinstance(tree, Mapping):
+        items = iter(tree.items())
+    elif isinstance(tree, (list, tuple)):
+        items = iter(enumerate(tree))
+    else:
+        raise TypeError("walk() needs a dict or list at the top")
+    for key, value in items:
+        path = _join(prefix, str(key))
+        if isinstance(value, (Mapping, list, tuple)) and len(value) > 0:
+            yield from walk(value, path)
+        else:
+            container = tree if isinstance(tree, (dict, list)) else None
+            yield path, value, container, key
+
+
+def describe(state: Any, rank: int, world_size: int) -> Described:
+    """Turn a state tree into pieces, JSON values and per-rank values."""
+    out = Described()
+    for path, leaf, container, key in walk(state):
+        parent = path.rpartition("/")[0]
+        slot = Slot(container, key) if container is not None else None
+        if isinstance(leaf, Local):
+            if isinstance(leaf.value, torch.Tensor):
+                t = leaf.value
+                out.pieces.append(
+                    Piece(local_name(rank, path), tuple(t.shape), t.dtype, Box.whole(tuple(t.shape)), t)
+                )
+            else:
+                _check_json(path, leaf.value)
+            out.locals[path] = leaf.value
+            if slot is not None:
+                out.local_slots[path] = slot
+        elif _is_dtensor(leaf):
+            out.pieces.append(_dtensor_piece(path, leaf))
+        elif isinstance(leaf, torch.Tensor):
+            out.pieces.append(
+                Piece(path, tuple(leaf.shape), leaf.dtype, Box.whole(tuple(leaf.shape)), leaf,
+                      replica=rank, replicas=world_size)
+            )
+        elif isinstance(leaf, Shard):
+            out.pieces.append(_shard_piece(path, leaf))
+        elif isinstance(leaf, FlatShard):
+            out.pieces.extend(_flat_pieces(parent, path, leaf))
+        elif isinstance(leaf, Fused):
+            out.pieces.extend(_fused_pieces(parent, path, leaf))
+        else:
+            _check_json(path, leaf)
+            out.values[path] = leaf
+            if slot is not None:
+                out.slots[path] = slot
+    _check_unique(out.pieces)
+    return out
+
+
+def _check_json(path: str, value: Any) -> None:
+    if _is_json_scalar(value):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(f"{path}/{i}", v)
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise StateMismatch(f"{path}: dict key {k!r} is not a string; not JSON-able")
+            _check_json(f"{path}/{k}", v)
+        return
+    raise StateMismatch(
+        f"{path}: a {type(value).__name__} is neither a tensor, a ckptd leaf nor JSON-able; "
+        "convert it (e.g. to a dict of numbers) or wrap a per-rank value in ckptd.Local"
+    )
+
+
+def _check_unique(pieces: list[Piece]) -> None:
+    """Two leaves of one rank must not claim overlapping parts of one logical tensor."""
+    by_name: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_name.setdefault(p.name, []).append(p)
+    for name, ps in by_name.items():
+        shapes = {p.global_shape for p in ps}
+        dtypes = {p.dtype for p in ps}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            raise StateMismatch(
+                f"{name}: described with different global shapes {sorted(shapes)} or dtypes "
+                f"{sorted(map(str, dtypes))} by leaves of the same rank"
+            )
+
+
+def _tuple(name: str, what: str, seq: Sequence[int]) -> Shape:
+    try:
+        return tuple(int(v) for v in seq)
+    except TypeError as e:
+        raise StateMismatch(f"{name}: {what} must be a sequence of ints, got {seq!r}") from e
+
+
+def _checked_box(name: str, global_shape: Shape, offsets: Shape, sizes: Shape) -> Box:
+    if not (len(global_shape) == len(offsets) == len(sizes)):
+        raise StateMismatch(
+            f"{name}: rank mismatch: global shape {global_shape}, offsets {offsets}, sizes {sizes}"
+        )
+    box = Box(offsets, sizes)
+    if not Box.whole(global_shape).contains(box):
+        raise StateMismatch(
+            f"{name}: box at offsets {offsets} of sizes {sizes} exceeds global shape {global_shape}"
+        )
+    return box
+
+
+def _shard_piece(path: str, leaf: Shard) -> Piece:
+    gshape = _tuple(path, "global_shape", leaf.global_shape)
+    offsets = _tuple(path, "offsets", leaf.offsets)
+    box = _checked_box(path, gshape, offsets, tuple(leaf.local.shape))
+    return Piece(path, gshape, leaf.local.dtype, box, leaf.local, leaf.replica, leaf.replicas)
+
+
+def _member_list(path: str, members: Any) -> list[tuple[str, Shape, Box]]:
+    items: list[Any]
+    if isinstance(members, Mapping):
+        items = [(k, v) for k, v in members.items()]
+    else:
+        items = list(members)
+    out = []
+    for m in items:
+        if len(m) == 2:
+            name, gshape = m[0], _tuple(path, "member shape", m[1])
+            box = Box.whole(gshape)
+        elif len(m) == 4:
+            name, gshape = m[0], _tuple(path, "member shape", m[1])
+            box = _checked_box(
+                f"{path}:{m[0]}", gshape, _tuple(path, "offsets", m[2]), _tuple(path, "sizes", m[3])
+            )
+        else:
+            raise StateMismatch(
+                f"{path}: a member is (name, global_shape) or (name, global_shape, offsets, "
+                f"sizes), got {m!r}"
+            )
+        out.append((str(name), gshape, box))
+    return out
+
+
+def _flat_pieces(parent: str, path: str, leaf: FlatShard) -> list[Piece]:
+    local = leaf.local
+    if local.dim() != 1:
+        raise StateMismatch(f"{path}: FlatShard.local must be 1-D, got shape {tuple(local.shape)}")
+    lo, hi = leaf.start, leaf.start + local.numel()
+    if lo < 0:
+        raise StateMismatch(f"{path}: FlatShard.start must be >= 0, got {lo}")
+    pieces = []
+    cursor = 0
+    for name, gshape, mbox in _member_list(path, leaf.members):
+        m_lo, m_hi = cursor, cursor + mbox.numel
+        cursor = m_hi
+        a, b = max(lo, m_lo), min(hi, m_hi)
+        if a >= b:
+            continue
+        offset_in_local = a - lo
+        for bx in flat_to_boxes(mbox.sizes, a - m_lo, b - m_lo):
+            n = bx.numel
+            view = local[offset_in_local : offset_in_local + n].view(bx.sizes)
+            offset_in_local += n
+            pieces.append(
+                Piece(_join(parent, name), gshape, local.dtype, bx.shift(mbox.offsets), view,
+                      leaf.replica, leaf.replicas)
+            )
+    return pieces
+
+
+def _fused_pieces(parent: str, path: str, leaf: Fused) -> list[Piece]:
+    local, dim = leaf.local, leaf.dim
+    if not -local.dim() <= dim < local.dim():
+        raise StateMismatch(f"{path}: Fused.dim {dim} out of range for a {local.dim()}-d tensor")
+    dim %= local.dim()
+    pieces, cursor = [], 0
+    for part in leaf.parts:
+        if len(part) != 4:
+            raise StateMismatch(f"{path}: a part is (name, global_shape, offsets, sizes), got {part!r}")
+        name = f"{parent}/{part[0]}" if parent else str(part[0])
+        gshape = _tuple(name, "global_shape", part[1])
+        box = _checked_box(name, gshape, _tuple(name, "offsets", part[2]), _tuple(name, "sizes", part[3]))
+        view = local.narrow(dim, cursor, box.sizes[dim])
+        if tuple(view.shape) != box.sizes:
+            raise StateMismatch(
+                f"{name}: part sizes {box.sizes} do not match the fused tensor's slice "
+                f"{tuple(view.shape)} along dim {dim}"
+            )
+        cursor += box.sizes[dim]
+        pieces.append(Piece(name, gshape, local.dtype, box, view, leaf.replica, leaf.replicas))
+    if cursor != local.shape[dim]:
+        raise StateMismatch(
+            f"{path}: parts cover {cursor} of {local.shape[dim]} along dim {dim} of the fused tensor"
+        )
+    return pieces
+
+
+def _dtensor_piece(path: str, dt: Any) -> Piece:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    gshape = tuple(dt.shape)
+    local = dt.to_local()
+    if coord is None:  # this rank is not part of the mesh: it holds nothing
+        return Piece(path, gshape, dt.dtype, Box((0,) * len(gshape), (0,) * len(gshape)), local, 0, 1)
+    offsets = [0] * len(gshape)
+    sizes = list(gshape)
+    replica, replicas = 0, 1
+    for mesh_dim, placement in enumerate(dt.placements):
+        n, c = mesh.size(mesh_dim), coord[mesh_dim]
+        if isinstance(placement, DShard):
+            d = placement.dim % len(gshape)
+            chunk = math.ceil(sizes[d] / n) if sizes[d] else 0
+            start = min(c * chunk, sizes[d])
+            size = max(0, min(chunk, sizes[d] - start))
+            offsets[d] += start
+            sizes[d] = size
+        elif isinstance(placement, Replicate):
+            replica += c * replicas
+            replicas *= n
+        else:
+            raise StateMismatch(
+                f"{path}: DTensor placement {placement} cannot be saved; reduce it first "
+                "(Partial values are not a checkpointable state)"
+            )
+    box = Box(tuple(offsets), tuple(sizes))
+    if tuple(local.shape) != box.sizes:
+        raise StateMismatch(
+            f"{path}: DTensor local shape {tuple(local.shape)} does not match the box {box.sizes} "
+            f"its placements {dt.placements} imply"
+        )
+    return Piece(path, gshape, dt.dtype, box, local, replica, replicas)

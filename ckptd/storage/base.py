@@ -1,0 +1,62 @@
+"""The storage contract: the smallest interface the checkpoint protocol needs.
+
+Paths are ``str`` relative to the backend's root, with ``/`` separators (a ``pathlib.Path`` would
+collapse the ``//`` of ``s3://``). A save calls, in this order::
+
+    write_file(data/<attempt>/<file>)     # every data file; durable when it returns
+    put_atomic(<step>/ranks/<attempt>/<rank>.json)   # the rank's partial manifest
+    put_atomic(<step>/manifest.json)      # the commit: all-or-nothing visible
+    put_atomic(latest)                    # advisory pointer
+
+``write_file`` need not be atomic: data file names are unique per save attempt and nothing reads
+them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
+none (temp file + rename + directory fsync on a filesystem; a single PUT on an object store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A checkpoint root. Implementations must be safe to call from several threads."""
+
+    url: str
+
+    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+        """Write the concatenation of ``parts`` to ``path``, durably; returns bytes written."""
+        ...
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write a small object so that readers see all of it or nothing."""
+        ...
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole object (small objects: manifests, pointers). FileNotFoundError if absent."""
+        ...
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """``(offset, length)`` byte ranges of one object, in order. Short reads are errors."""
+        ...
+
+    def size(self, path: str) -> int:
+        """Object size in bytes. FileNotFoundError if absent."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names (not paths) of the direct children of ``path``; empty if it does not exist."""
+        ...
+
+    def remove(self, path: str) -> None:
+        """Remove an object or a whole prefix/directory; absent is not an error."""
+        ...
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p)

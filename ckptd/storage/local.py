@@ -1,0 +1,138 @@
+"""Local (or shared) filesystem backend: the fast path, no fsspec involved."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+
+from ckptd.errors import StorageError
+from ckptd.storage.base import Buffer
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A directory on a POSIX filesystem (local disk, NFS, Lustre...)."""
+
+    def __init__(self, root: str) -> None:
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self._made: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def _ensure_parent(self, full: str) -> None:
+        parent = os.path.dirname(full)
+        with self._lock:
+            if parent in self._made:
+                return
+        os.makedirs(parent, exist_ok=True)
+        with self._lock:
+            self._made.add(parent)
+
+    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+        full = self._abs(path)
+        self._ensure_parent(full)
+        total = 0
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for part in parts:
+                    total += self._write_all(fd, memoryview(part).cast("B"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _storage_error(e, full) from e
+        return total
+
+    def _write_all(self, fd: int, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        return done
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        full = self._abs(path)
+        self._ensure_parent(full)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, full)
+            _fsync_dir(os.path.dirname(full))
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _storage_error(e, full) from e
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(self._abs(path), "rb") as f:
+            return f.read()
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        full = self._abs(path)
+        out: list[bytes] = []
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            for offset, length in ranges:
+                data = os.pread(fd, length, offset)
+                while len(data) < length:  # pread may return short on some filesystems
+                    more = os.pread(fd, length - len(data), offset + len(data))
+                    if not more:
+                        raise EOFError(
+                            f"{full}: wanted {length} bytes at offset {offset}, file ends after "
+                            f"{len(data)}"
+                        )
+                    data += more
+                out.append(data)
+        finally:
+            os.close(fd)
+        return out
+
+    def size(self, path: str) -> int:
+        return os.stat(self._abs(path)).st_size
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, path: str) -> None:
+        full = self._abs(path)
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            try:
+                os.unlink(full)
+            except FileNotFoundError:
+                pass
+
+
+def _storage_error(e: OSError, path: str) -> StorageError:
+    reason = "disk full (ENOSPC)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    err = StorageError(f"{path}: {reason}")
+    err.errno = e.errno
+    return err
