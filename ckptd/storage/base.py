@@ -39,8 +39,9 @@ class Storage(Protocol):
         """The whole object (small objects: manifests, pointers). FileNotFoundError if absent."""
         ...
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """``(offset, length)`` byte ranges of one object, in order. Short reads are errors."""
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]:
+        """``(offset, length)`` byte ranges of one object, in order. A range past the end raises
+        EOFError; a missing object FileNotFoundError."""
         ...
 
     def size(self, path: str) -> int:

@@ -88,25 +88,34 @@ class LocalStorage:
         with open(self._abs(path), "rb") as f:
             return f.read()
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
         full = self._abs(path)
-        out: list[bytes] = []
+        out: list[bytearray] = []
         fd = os.open(full, os.O_RDONLY)
         try:
             for offset, length in ranges:
-                data = os.pread(fd, length, offset)
-                while len(data) < length:  # pread may return short on some filesystems
-                    more = os.pread(fd, length - len(data), offset + len(data))
-                    if not more:
+                data = bytearray(length)
+                view = memoryview(data)
+                done = 0
+                while done < length:  # preadv may return short on some filesystems
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                    if n == 0:
                         raise EOFError(
                             f"{full}: wanted {length} bytes at offset {offset}, file ends after "
-                            f"{len(data)}"
+                            f"{done}"
                         )
-                    data += more
+                    done += n
                 out.append(data)
         finally:
             os.close(fd)
         return out
+
+    def append_text(self, path: str, text: str) -> None:
+        """Append to a log-like file (metrics); not part of the storage contract."""
+        full = self._abs(path)
+        self._ensure_parent(full)
+        with open(full, "a") as f:
+            f.write(text)
 
     def size(self, path: str) -> int:
         return os.stat(self._abs(path)).st_size
@@ -136,3 +145,4 @@ def _storage_error(e: OSError, path: str) -> StorageError:
     err = StorageError(f"{path}: {reason}")
     err.errno = e.errno
     return err
+

@@ -1,0 +1,71 @@
+"""Module-level functions that use the process-wide default Checkpointer (``ckptd.init``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptd.checkpointer import Checkpointer, LoadResult
+from ckptd.errors import CkptdError
+from ckptd.writer.handle import SaveHandle, SaveResult
+
+_default: Checkpointer | None = None
+
+
+def init(
+    root: str,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    keep_last: int = 3,
+    compression: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    max_inflight: int = 1,
+    threads: int | None = None,
+    **kwargs: Any,
+) -> Checkpointer:
+    """Create the process-wide default Checkpointer (closing a previous one).
+
+    >>> import ckptd                                         # doctest: +SKIP
+    >>> ckptd.init("/shared/ckpts/run1", keep_last=3)        # doctest: +SKIP
+    """
+    global _default
+    if _default is not None:
+        _default.close()
+    _default = Checkpointer(
+        root, rank=rank, world_size=world_size, keep_last=keep_last, compression=compression,
+        storage_options=storage_options, max_inflight=max_inflight, threads=threads, **kwargs,
+    )
+    return _default
+
+
+def _get() -> Checkpointer:
+    if _default is None:
+        raise CkptdError("call ckptd.init(root) first")
+    return _default
+
+
+def save_async(state: Any, *, step: int | None = None, overlap: bool = False,
+               training: dict[str, Any] | None = None) -> SaveHandle:
+    """Stage ``state`` into host memory and write it in the background."""
+    return _get().save_async(state, step=step, overlap=overlap, training=training)
+
+
+def save(state: Any, *, step: int | None = None,
+         training: dict[str, Any] | None = None) -> SaveResult:
+    """Save and return once the step is committed on every rank."""
+    return _get().save(state, step=step, training=training)
+
+
+def wait() -> None:
+    """Every in-flight save committed; raises the first background error."""
+    _get().wait()
+
+
+def latest_step() -> int | None:
+    """Newest committed step under the root, or None."""
+    return _get().latest_step()
+
+
+def load(state: Any, *, step: int | None = None, strict: bool = True) -> LoadResult:
+    """Fill ``state`` in place from a committed step, resharding to its layout."""
+    return _get().load(state, step=step, strict=strict)

@@ -1,0 +1,393 @@
+"""The Checkpointer: one root, one rank, its background pipeline.
+
+``save_async`` describes the state (pieces), packs the writer pieces into an arena laid out like
+the data files, copies them in (the stall) and hands the rest to a single driver thread: write
+the files in parallel, write the partial manifest, then commit (coordinator) or wait for the
+commit (other ranks). No collectives happen after ``__init__`` on the save path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptd import config
+from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.manifest import Manifest, TensorEntry, decode
+from ckptd.manifest import layout as L
+from ckptd.reshard.load import load_into
+from ckptd.sharding import describe
+from ckptd.storage import Storage, open_storage
+from ckptd.writer import codecs
+from ckptd.writer import commit as C
+from ckptd.writer.files import write_all
+from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
+from ckptd.writer.pack import pack
+from ckptd.writer.staging import StagingPool, copy_into
+
+log = logging.getLogger("ckptd")
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    step: int
+    url: str
+    nbytes_read: int
+    training: dict[str, Any]
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = _dist()
+    if rank is None:
+        rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world_size:
+        raise CkptdError(f"rank {rank} outside world of size {world_size}")
+    return rank, world_size
+
+
+def _agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
+    """One id for this job incarnation, the same on every rank (one broadcast at init, or the
+    launcher's environment)."""
+    if run_id:
+        return run_id
+    if os.environ.get("CKPTD_RUN_ID"):
+        return os.environ["CKPTD_RUN_ID"]
+    dist = _dist()
+    if dist is not None and dist.get_world_size() > 1:
+        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return (f"{os.environ['TORCHELASTIC_RUN_ID']}-r"
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if world_size == 1:
+        return uuid.uuid4().hex[:12]
+    raise CkptdError(
+        "ranks cannot agree on a run id: initialise torch.distributed before ckptd.init, "
+        "or pass run_id= (or set CKPTD_RUN_ID) identically on every rank"
+    )
+
+
+class Checkpointer:
+    """Checkpoints of one training job under ``root``.
+
+    >>> ckpt = Checkpointer("/tmp/ckpts")                       # doctest: +SKIP
+    >>> ckpt.save({"model": model.state_dict(), "step": 10})   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        keep_last: int = 3,
+        compression: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        max_inflight: int = 1,
+        threads: int | None = None,
+        on_busy: str = "block",
+        run_id: str | None = None,
+        storage: Storage | None = None,
+        debug_overlap: bool = False,
+    ) -> None:
+        if on_busy not in ("block", "skip"):
+            raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
+        self.rank, self.world_size = _resolve_world(rank, world_size)
+        self.storage = storage if storage is not None else open_storage(root, storage_options)
+        self.url = self.storage.url
+        self.keep_last = keep_last
+        self.codec, self.level = codecs.parse_compression(compression)
+        self.max_inflight = max(1, max_inflight)
+        self.on_busy = on_busy
+        self.threads = threads or config.io_threads()
+        self.debug_overlap = debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1"
+        self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
+        self.pool = StagingPool(self.max_inflight)
+        self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
+        self._driver = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
+        self._handles: list[SaveHandle] = []
+        self._seq = 0
+        self._last_step: int | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        if self.rank == 0:
+            C.claim(self.storage, self.run_id)
+        _live.add(self)
+
+    # ------------------------------------------------------------------ saving
+    def save_async(self, state: Any, *, step: int | None = None, overlap: bool = False,
+                   training: dict[str, Any] | None = None) -> SaveHandle:
+        """Stage ``state`` and write it in the background; see API.md."""
+        self._check_open()
+        self._raise_pending()
+        t0 = time.perf_counter()
+        step = self._next_step(state, step)
+        inflight = [h for h in self._handles if not h.done()]
+        if len(inflight) >= self.max_inflight:
+            if self.on_busy == "skip":
+                log.warning("ckptd: step %d skipped: %d save(s) still in flight", step,
+                            len(inflight))
+                return SkippedHandle(step, self.url)
+            for h in inflight[: len(inflight) - self.max_inflight + 1]:
+                h._committed.exception()  # wait; errors surface through _raise_pending
+            self._raise_pending()
+        self._seq += 1
+        attempt = f"{self.run_id}-{self._seq:06d}"
+        described = describe(state, self.rank, self.world_size)
+        writers = [p for p in described.pieces if p.is_writer]
+        plans, total = pack(writers, self.threads, config.get().file_alignment)
+        arena = self.pool.acquire(total)
+        handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._last_step = step
+        values = json.loads(json.dumps(described.values)) if self.rank == 0 else {}
+        local_values = {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
+        declared = {p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces}
+        job = _Job(step, attempt, arena, plans, declared, values,
+                   json.loads(json.dumps(local_values)), dict(training or {}), handle, t0)
+
+        def stage() -> None:
+            with torch.no_grad():
+                for plan in plans:
+                    for s in plan.slots:
+                        copy_into(arena.buffer, s.offset, s.piece.view)
+            if any(s.piece.view.is_cuda for p in plans for s in p.slots):
+                torch.cuda.current_stream().synchronize()
+
+        if self.debug_overlap:
+            handle.on_wait_staged.append(lambda: _check_unmodified(plans, arena.buffer))
+        if overlap:
+            job.stage = stage
+        else:
+            try:
+                stage()
+            except BaseException:
+                self.pool.release(arena)
+                raise
+            handle.stall_s = time.perf_counter() - t0
+            handle._set_staged()
+        self._driver.submit(self._run, job)
+        if overlap:
+            handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def save(self, state: Any, *, step: int | None = None,
+             training: dict[str, Any] | None = None) -> SaveResult:
+        """``save_async(...).result()``: returns once committed on every rank."""
+        return self.save_async(state, step=step, training=training).result()
+
+    def _run(self, job: _Job) -> None:
+        h = job.handle
+        released = False
+        try:
+            if job.stage is not None:
+                job.stage()
+                h._set_staged()
+            t_staged = time.perf_counter()
+            sdir = L.step_dir(job.step)
+            paths = [L.data_file(job.attempt, self.rank, p.index) for p in job.plans]
+            chunks = write_all(self._io, self.storage, sdir, paths, job.arena.buffer, job.plans,
+                               self.codec, self.level, config.get().frame_bytes, self.rank)
+            self.pool.release(job.arena)
+            released = True
+            by_name: dict[str, list[Any]] = {}
+            for name, c in chunks:
+                by_name.setdefault(name, []).append(c)
+            tensors = {n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
+                       for n, e in job.declared.items()}
+            partial = Manifest(job.step, job.attempt, self.world_size, time.time(), tensors,
+                               job.values, {str(self.rank): job.locals} if job.locals else {},
+                               job.training, rank=self.rank)
+            self.storage.put_atomic(L.partial_path(job.step, job.attempt, self.rank),
+                                    partial.encode())
+            if self.rank == 0:
+                C.coordinate(self.storage, job.step, job.attempt, self.world_size, self.run_id)
+                if self.keep_last > 0:
+                    C.apply_retention(self.storage, self.keep_last)
+            else:
+                C.wait_committed(self.storage, job.step, job.attempt)
+            nbytes = sum(c.length if c.codec == codecs.RAW else sum(f.stored for f in c.frames)
+                         for _, c in chunks)
+            result = SaveResult(job.step, h.url, nbytes, h.stall_s,
+                                time.perf_counter() - t_staged)
+            self._record(result)
+            h._set_committed(result)
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            if not released:
+                self.pool.release(job.arena)
+            log.error("ckptd: save of step %d failed: %s", job.step, e)
+            h._set_failed(e)
+
+    def _record(self, r: SaveResult) -> None:
+        line = {"step": r.step, "rank": self.rank, "world_size": self.world_size,
+                "nbytes": r.nbytes, "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
+                "time": time.time()}
+        log.info("ckptd save %s", json.dumps(line))
+        if self.rank == 0:
+            try:
+                _append(self.storage, L.METRICS, json.dumps(line) + "\n")
+            except OSError as e:
+                log.warning("ckptd: could not append metrics: %s", e)
+
+    def _next_step(self, state: Any, step: int | None) -> int:
+        if step is not None:
+            return int(step)
+        if isinstance(state, dict) and isinstance(state.get("step"), int) \
+                and not isinstance(state.get("step"), bool):
+            return int(state["step"])
+        if self._last_step is not None:
+            return self._last_step + 1
+        latest = self.latest_step()
+        return 0 if latest is None else latest + 1
+
+    def _raise_pending(self) -> None:
+        for h in self._handles:
+            err = h._take_error()
+            if err is not None:
+                raise err
+
+    def wait(self) -> None:
+        """Block until every in-flight save is committed; raise the first background error."""
+        for h in list(self._handles):
+            h._committed.exception()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Drain in-flight saves, stop the threads; raises a pending background error."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._driver.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            _live.discard(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptdError("this Checkpointer is closed")
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reading
+    def latest_step(self) -> int | None:
+        """Newest committed step under the root (finalising complete-but-uncommitted newer steps)."""
+        committed = C.committed_steps(self.storage)
+        newest = committed[-1] if committed else -1
+        for s in reversed(C.all_steps(self.storage)):
+            if s <= newest:
+                break
+            try:
+                if C.finalize(self.storage, s) is not None:
+                    return s
+            except CkptdError as e:
+                log.warning("ckptd: step %d cannot be finalised: %s", s, e)
+        return committed[-1] if committed else None
+
+    def read_manifest(self, step: int) -> Manifest:
+        path = L.manifest_path(step)
+        try:
+            raw = self.storage.read_bytes(path)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.url}/{path}: no committed step {step}") from None
+        return decode(raw, f"{self.url}/{path}")
+
+    def load(self, state: Any, *, step: int | None = None, strict: bool = True) -> LoadResult:
+        """Fill ``state`` in place from a committed step (resharding to its layout)."""
+        self._check_open()
+        if step is None:
+            step = self._agreed_latest()
+            if step is None:
+                raise CheckpointNotFound(f"{self.url}: no committed checkpoint")
+        manifest = self.read_manifest(step)
+        described = describe(state, self.rank, self.world_size)
+        nbytes = load_into(self.storage, L.step_dir(step), manifest, described, rank=self.rank,
+                           world_size=self.world_size, strict=strict, pool=self._io)
+        self._last_step = max(self._last_step or step, step)
+        return LoadResult(step, f"{self.url}/{L.step_dir(step)}", nbytes, dict(manifest.training))
+
+    def _agreed_latest(self) -> int | None:
+        dist = _dist()
+        if dist is None or dist.get_world_size() == 1:
+            return self.latest_step()
+        box = [self.latest_step() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@dataclass
+class _Job:
+    step: int
+    attempt: str
+    arena: Any
+    plans: list[Any]
+    declared: dict[str, TensorEntry]
+    values: dict[str, Any]
+    locals: dict[str, Any]
+    training: dict[str, Any]
+    handle: SaveHandle
+    t0: float
+    stage: Any = None
+
+
+def _check_unmodified(plans: list[Any], arena: torch.Tensor) -> None:
+    for plan in plans:
+        for s in plan.slots:
+            v = s.piece.view
+            staged = arena[s.offset : s.offset + s.nbytes].view(v.dtype).view(v.shape)
+            if not torch.equal(staged.cpu(), v.detach().cpu()):
+                raise CorruptCheckpoint(
+                    f"{s.piece.name}: modified before wait_staged() returned (overlap=True "
+                    "requires the state to stay unchanged until then)"
+                )
+
+
+def _append(storage: Storage, path: str, text: str) -> None:
+    append = getattr(storage, "append_text", None)
+    if append is not None:
+        append(path, text)
+        return
+    try:
+        old = storage.read_bytes(path)
+    except FileNotFoundError:
+        old = b""
+    storage.put_atomic(path, old + text.encode())
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; say why
+            log.error("ckptd: a save did not complete before exit: %s", e)
+
+
+__all__ = ["Checkpointer", "LoadResult", "SaveHandle", "SaveResult", "Phase"]

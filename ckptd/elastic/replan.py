@@ -1,0 +1,583 @@
+"""Batch re-derivation for a new world size.
+
+When an elastic job restarts on a different number of ranks, :func:`replan` picks the
+micro-batch size, the gradient-accumulation steps and the ZeRO stage so that the global batch
+stays inside a tolerance band around the previous one and the per-GPU memory estimate fits a
+budget. It is a pure function of its arguments: no I/O, no torch, no global state.
+
+Memory model (per GPU, GiB = 2**30 bytes; ``P`` = number of parameters, ``W`` = world size)::
+
+    parameters   P * param_bytes                  / (W if zero_stage == 3 else 1)
+    gradients    P * grad_bytes                   / (W if zero_stage >= 2 else 1)
+    optimizer    P * optim_bytes * optim_slots    / (W if zero_stage >= 1 else 1)
+    activations  activation_constant * micro_batch * sequence_length
+                 * hidden_size * num_hidden_layers * dtype_bytes
+
+Defaults: bf16 weights (2), fp32 gradients (4), Adam's two fp32 moments (4 x 2), and 16 for the
+activation constant. ``state_gib`` is the sum of the first three terms, ``total_gib`` adds the
+activations. The search and its tie-breaks are described in :func:`replan` and in
+``docs/elastic_replan.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from ckptd.errors import CkptdError
+
+GIB = 1 << 30
+
+# Defaults of the memory model (bytes per parameter unless said otherwise).
+PARAM_BYTES = 2  # bf16 weights
+GRAD_BYTES = 4  # fp32 gradients
+OPTIM_BYTES = 4  # fp32 optimizer state ...
+OPTIM_SLOTS = 2  # ... two slots (Adam's first and second moments)
+ACTIVATION_CONSTANT = 16  # activation bytes per (token x hidden x layer x dtype byte)
+
+TRAINING_SPEC_VERSION = 1
+
+
+class InvalidSpec(CkptdError, ValueError):
+    """An argument of the elastic planner is out of range (a size < 1, an unknown ZeRO stage)."""
+
+
+class NoFeasiblePlan(CkptdError, ValueError):
+    """No batch setting at this world size keeps the global batch in the band and fits memory.
+
+    The message names the nearest options; they are also attributes (``None`` when that option
+    does not exist or would not help):
+
+    - ``needed_tolerance``: the smallest tolerance with which this world size has a plan under
+      the same memory limit;
+    - ``needed_mem_limit_gib``: the smallest memory limit with which this world size has a plan
+      under the same tolerance;
+    - ``world_below``: the largest smaller world size that has a plan (leave
+      ``world_size - world_below`` ranks idle);
+    - ``world_above``: the smallest larger world size that has a plan (only searched when memory,
+      not the band, is what rules this world size out).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        world_size: int,
+        band: tuple[int, int],
+        needed_tolerance: float | None = None,
+        needed_mem_limit_gib: float | None = None,
+        world_below: int | None = None,
+        world_above: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.world_size = world_size
+        self.band = band
+        self.needed_tolerance = needed_tolerance
+        self.needed_mem_limit_gib = needed_mem_limit_gib
+        self.world_below = world_below
+        self.world_above = world_above
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidSpec(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _check_zero_stage(owner: str, value: object) -> None:
+    if isinstance(value, bool) or value not in (0, 1, 2, 3):
+        raise InvalidSpec(f"{owner}: ZeRO stage must be 0, 1, 2 or 3, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The sizes of a model that the memory model needs.
+
+    >>> ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
+    ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4832071680, dtype_bytes=2)
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_parameters: int
+    dtype_bytes: int = 2  # bytes per activation element (bf16)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _positive_int("ModelSpec", f.name, getattr(self, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """Batch and sharding settings of one run; stored in checkpoint metadata.
+
+    >>> t = TrainingSpec(zero_stage=1, world_size=480, micro_batch_size=6,
+    ...                  gradient_accumulation_steps=1, sequence_length=4096)
+    >>> t.global_batch_size
+    2880
+    >>> TrainingSpec.from_json(t.to_json()) == t
+    True
+    """
+
+    zero_stage: int
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    sequence_length: int
+
+    def __post_init__(self) -> None:
+        _check_zero_stage("TrainingSpec", self.zero_stage)
+        for f in dataclasses.fields(self):
+            if f.name != "zero_stage":
+                _positive_int("TrainingSpec", f.name, getattr(self, f.name))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step: world size x micro-batch x accumulation steps."""
+        return self.world_size * self.micro_batch_size * self.gradient_accumulation_steps
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict with a format version (``json.dumps`` it to get text)."""
+        record: dict[str, Any] = {"version": TRAINING_SPEC_VERSION}
+        record.update(dataclasses.asdict(self))
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any] | str) -> TrainingSpec:
+        """Decode what :meth:`to_json` produced (the dict, or its ``json.dumps`` text)."""
+        data: Any = json.loads(record) if isinstance(record, str) else record
+        if not isinstance(data, Mapping):
+            raise InvalidSpec(f"TrainingSpec record must be a JSON object, got {data!r}")
+        version = data.get("version")
+        if version != TRAINING_SPEC_VERSION:
+            raise InvalidSpec(
+                f"TrainingSpec record version {version!r} is not supported "
+                f"(expected {TRAINING_SPEC_VERSION})"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise InvalidSpec(f"TrainingSpec record lacks {', '.join(missing)}: {dict(data)!r}")
+        return cls(**{n: data[n] for n in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory of one setting, in GiB (2**30 bytes).
+
+    ``state_gib`` = parameters + gradients + optimizer state; ``total_gib`` = state + activations.
+    """
+
+    parameters_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float
+
+    @property
+    def state_gib(self) -> float:
+        return self.parameters_gib + self.gradients_gib + self.optimizer_gib
+
+    @property
+    def total_gib(self) -> float:
+        return self.state_gib + self.activations_gib
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The result of :func:`replan`.
+
+    ``deviation`` is the relative change of the global batch, ``(new - previous) / previous``.
+    """
+
+    training: TrainingSpec
+    deviation: float
+    memory: MemoryEstimate
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemoryModel:
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    optim_slots: float
+    activation_constant: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise InvalidSpec(f"memory parameter {f.name} must be a number >= 0, got {value!r}")
+
+    def state(self, model: ModelSpec, zero_stage: int, world_size: int) -> tuple[float, ...]:
+        p = model.num_parameters
+        params = p * self.param_bytes / (world_size if zero_stage >= 3 else 1)
+        grads = p * self.grad_bytes / (world_size if zero_stage >= 2 else 1)
+        optim = p * self.optim_bytes * self.optim_slots / (world_size if zero_stage >= 1 else 1)
+        return params / GIB, grads / GIB, optim / GIB
+
+    def activations(self, model: ModelSpec, micro_batch_size: int, sequence_length: int) -> float:
+        elements = micro_batch_size * sequence_length * model.hidden_size * model.num_hidden_layers
+        return self.activation_constant * elements * model.dtype_bytes / GIB
+
+    def estimate(
+        self, model: ModelSpec, zero_stage: int, world_size: int, micro: int, seq: int
+    ) -> MemoryEstimate:
+        params, grads, optim = self.state(model, zero_stage, world_size)
+        return MemoryEstimate(params, grads, optim, self.activations(model, micro, seq))
+
+
+def estimate_memory(
+    model: ModelSpec,
+    training: TrainingSpec,
+    *,
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    optim_bytes: float = OPTIM_BYTES,
+    optim_slots: float = OPTIM_SLOTS,
+    activation_constant: float = ACTIVATION_CONSTANT,
+) -> MemoryEstimate:
+    """Per-GPU memory of ``training`` for ``model`` under the module's memory model.
+
+    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
+    >>> t = TrainingSpec(1, 480, 6, 1, 4096)
+    >>> round(estimate_memory(m, t).activations_gib, 3)   # 16*6*4096*4096*28*2 bytes
+    84.0
+    """
+    mm = _MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
+    return mm.estimate(
+        model,
+        training.zero_stage,
+        training.world_size,
+        training.micro_batch_size,
+        training.sequence_length,
+    )
+
+
+def batch_band(global_batch: int, tolerance: float) -> tuple[int, int]:
+    """``(floor(B * (1 - tol)), ceil(B * (1 + tol)))``, computed exactly.
+
+    The tolerance is taken as the decimal it prints as, so 0.1 means exactly 1/10 and the band
+    of 2880 is [2592, 3168], not [2591, 3169] as binary floating point would round it.
+
+    >>> batch_band(2880, 0.10)
+    (2592, 3168)
+    """
+    tol = _exact_tolerance(tolerance)
+    lo = math.floor(global_batch * (1 - tol))
+    hi = math.ceil(global_batch * (1 + tol))
+    return max(lo, 1), hi
+
+
+def _exact_tolerance(tolerance: float) -> Fraction:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise InvalidSpec(f"tolerance must be a number, got {tolerance!r}")
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise InvalidSpec(f"tolerance must be finite and >= 0, got {tolerance!r}")
+    return Fraction(repr(float(tolerance)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """Everything :func:`replan` fixes before looking at a world size."""
+
+    model: ModelSpec
+    previous: TrainingSpec
+    band: tuple[int, int]
+    mem_limit_gib: float
+    max_micro_batch_size: int
+    zero_stages: tuple[int, ...]
+    memory: _MemoryModel
+
+    def best(self, world: int) -> _Candidate | None:
+        """The chosen setting at ``world``, or None."""
+        target = self.previous.global_batch_size
+        lo, hi = self.band
+        seq = self.previous.sequence_length
+        lowest_stage = min(self.zero_stages)
+        states = [sum(self.memory.state(self.model, z, world)) for z in self.zero_stages]
+        best: _Candidate | None = None
+        for micro in range(min(self.max_micro_batch_size, hi // world), 0, -1):
+            step = world * micro  # the global batch grows by this per accumulation step
+            accum_lo, accum_hi = max(1, -(-lo // step)), hi // step
+            if accum_lo > accum_hi:
+                continue
+            # The accumulation steps nearest the previous batch; on a tie the smaller one.
+            near = min(max(target // step, accum_lo), accum_hi)
+            accum = near
+            if near < accum_hi and abs(step * (near + 1) - target) < abs(step * near - target):
+                accum = near + 1
+            distance = abs(step * accum - target)
+            activations = self.memory.activations(self.model, micro, seq)
+            for zero, state in zip(self.zero_stages, states, strict=True):
+                if state + activations > self.mem_limit_gib:
+                    continue
+                if best is None or (distance, zero) < (best.distance, best.zero):
+                    best = _Candidate(distance, zero, micro, accum, state + activations)
+            if best is not None and best.distance == 0 and best.zero == lowest_stage:
+                break  # nothing later can beat an exact hit at the lowest stage
+        return best
+
+    def cheapest(self, world: int) -> _Candidate | None:
+        """The in-band setting at ``world`` needing the least memory (for the diagnosis)."""
+        target = self.previous.global_batch_size
+        lo, hi = self.band
+        if world > hi:
+            return None
+        # Every global batch is a multiple of the world size, so if any setting lands in the
+        # band, micro-batch 1 does too; and memory grows with the micro-batch.
+        accum_lo, accum_hi = max(1, -(-lo // world)), hi // world
+        if accum_lo > accum_hi:
+            return None
+        accum = min(max(target // world, accum_lo), accum_hi)
+        seq = self.previous.sequence_length
+        activations = self.memory.activations(self.model, 1, seq)
+        totals = [
+            (sum(self.memory.state(self.model, z, world)) + activations, z)
+            for z in self.zero_stages
+        ]
+        total, zero = min(totals)
+        return _Candidate(abs(world * accum - target), zero, 1, accum, total)
+
+    def nearest_outside(self, world: int) -> tuple[int, int] | None:
+        """``(global batch, micro-batch)`` nearest the previous batch among memory-feasible
+        settings at ``world`` with any accumulation count, ignoring the band."""
+        target = self.previous.global_batch_size
+        seq = self.previous.sequence_length
+        states = [sum(self.memory.state(self.model, z, world)) for z in self.zero_stages]
+        best: tuple[int, int, int] | None = None
+        for micro in range(self.max_micro_batch_size, 0, -1):
+            activations = self.memory.activations(self.model, micro, seq)
+            if min(states) + activations > self.mem_limit_gib:
+                continue
+            step = world * micro
+            for accum in {max(1, target // step), max(1, -(-target // step))}:
+                g = step * accum
+                key = (abs(g - target), g, -micro)
+                if best is None or key < best:
+                    best = key
+        return None if best is None else (best[1], -best[2])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    distance: int
+    zero: int
+    micro: int
+    accum: int
+    total_gib: float
+
+
+def _make_search(
+    model: ModelSpec,
+    previous: TrainingSpec,
+    *,
+    tolerance: float,
+    mem_limit_gib: float,
+    max_micro_batch_size: int,
+    zero_stages: Iterable[int],
+    memory: _MemoryModel,
+) -> _Search:
+    if not isinstance(model, ModelSpec):
+        raise InvalidSpec(f"model must be a ModelSpec, got {model!r}")
+    if not isinstance(previous, TrainingSpec):
+        raise InvalidSpec(f"previous must be a TrainingSpec, got {previous!r}")
+    _positive_int("replan", "max_micro_batch_size", max_micro_batch_size)
+    if isinstance(mem_limit_gib, bool) or not isinstance(mem_limit_gib, (int, float)):
+        raise InvalidSpec(f"mem_limit_gib must be a number, got {mem_limit_gib!r}")
+    if not mem_limit_gib > 0:
+        raise InvalidSpec(f"mem_limit_gib must be > 0, got {mem_limit_gib!r}")
+    stages = tuple(zero_stages)
+    if not stages:
+        raise InvalidSpec("zero_stages must name at least one ZeRO stage")
+    for z in stages:
+        _check_zero_stage("zero_stages", z)
+    return _Search(
+        model=model,
+        previous=previous,
+        band=batch_band(previous.global_batch_size, tolerance),
+        mem_limit_gib=float(mem_limit_gib),
+        max_micro_batch_size=max_micro_batch_size,
+        zero_stages=tuple(dict.fromkeys(stages)),
+        memory=memory,
+    )
+
+
+def replan(
+    model: ModelSpec,
+    previous: TrainingSpec,
+    world_size: int,
+    *,
+    tolerance: float = 0.10,
+    mem_limit_gib: float,
+    max_micro_batch_size: int,
+    zero_stages: Sequence[int] = (1, 2, 3),
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    optim_bytes: float = OPTIM_BYTES,
+    optim_slots: float = OPTIM_SLOTS,
+    activation_constant: float = ACTIVATION_CONSTANT,
+) -> Plan:
+    """Batch settings for ``world_size`` ranks that keep the global batch near ``previous``'s.
+
+    Search: with ``B`` the previous global batch, the band is
+    ``[floor(B*(1-tol)), ceil(B*(1+tol))]``. Micro-batch sizes go from
+    ``min(max_micro_batch_size, upper // world_size)`` down to 1, ZeRO stages in the order
+    given; for each pair the accumulation steps that land in the band form a range computed
+    arithmetically, and the count nearest ``B`` is taken (the smaller on a tie). Settings whose
+    :func:`estimate_memory` ``total_gib`` exceeds ``mem_limit_gib`` are dropped. The winner has
+    the smallest ``|global batch - B|``; ties go to the lower ZeRO stage, then to the one found
+    first (the larger micro-batch). The sequence length is kept.
+
+    Raises :class:`NoFeasiblePlan` (naming the tolerance, memory limit or world size that would
+    work) when nothing fits, and :class:`InvalidSpec` on bad arguments.
+
+    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
+    >>> prev = TrainingSpec(1, 480, 6, 1, 4096)          # global batch 2880
+    >>> p = replan(m, prev, 488, mem_limit_gib=120, max_micro_batch_size=32)
+    >>> (p.training.micro_batch_size, p.training.gradient_accumulation_steps,
+    ...  p.training.global_batch_size, round(p.deviation, 4))
+    (6, 1, 2928, 0.0167)
+    """
+    plan = planner(
+        model,
+        previous,
+        tolerance=tolerance,
+        mem_limit_gib=mem_limit_gib,
+        max_micro_batch_size=max_micro_batch_size,
+        zero_stages=zero_stages,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optim_bytes=optim_bytes,
+        optim_slots=optim_slots,
+        activation_constant=activation_constant,
+    )
+    return plan(world_size)
+
+
+def planner(
+    model: ModelSpec,
+    previous: TrainingSpec,
+    *,
+    tolerance: float = 0.10,
+    mem_limit_gib: float,
+    max_micro_batch_size: int,
+    zero_stages: Sequence[int] = (1, 2, 3),
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    optim_bytes: float = OPTIM_BYTES,
+    optim_slots: float = OPTIM_SLOTS,
+    activation_constant: float = ACTIVATION_CONSTANT,
+) -> Callable[[int], Plan]:
+    """:func:`replan` with everything but the world size fixed (validated once).
+
+    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
+    >>> plan = planner(m, TrainingSpec(1, 480, 6, 1, 4096), mem_limit_gib=120,
+    ...                max_micro_batch_size=32)
+    >>> [plan(w).training.global_batch_size for w in (8, 488)]
+    [2880, 2928]
+    """
+    memory = _MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
+    search = _make_search(
+        model,
+        previous,
+        tolerance=tolerance,
+        mem_limit_gib=mem_limit_gib,
+        max_micro_batch_size=max_micro_batch_size,
+        zero_stages=zero_stages,
+        memory=memory,
+    )
+
+    def plan(world_size: int) -> Plan:
+        _positive_int("replan", "world_size", world_size)
+        return _plan_or_raise(search, world_size, tolerance)
+
+    return plan
+
+
+def _plan_or_raise(search: _Search, world: int, tolerance: float) -> Plan:
+    best = search.best(world)
+    if best is None:
+        raise _diagnose(search, world, tolerance)
+    training = TrainingSpec(
+        zero_stage=best.zero,
+        world_size=world,
+        micro_batch_size=best.micro,
+        gradient_accumulation_steps=best.accum,
+        sequence_length=search.previous.sequence_length,
+    )
+    target = search.previous.global_batch_size
+    return Plan(
+        training=training,
+        deviation=(training.global_batch_size - target) / target,
+        memory=search.memory.estimate(
+            search.model, best.zero, world, best.micro, training.sequence_length
+        ),
+    )
+
+
+def _fmt_gib(value: float) -> str:
+    return f"{value:g}" if value == int(value) else f"{value:.2f}"
+
+
+def _diagnose(search: _Search, world: int, tolerance: float) -> NoFeasiblePlan:
+    target = search.previous.global_batch_size
+    lo, hi = search.band
+    options: list[str] = []
+
+    needed_tolerance: float | None = None
+    outside = search.nearest_outside(world)
+    if outside is not None:
+        g, micro = outside
+        needed_tolerance = abs(g - target) / target
+        # Round the printed percentage up so that using it is always enough.
+        pct = math.ceil(needed_tolerance * 10000 - 1e-9) / 100
+        options.append(f"tolerance {pct:.2f}% (global batch {g}, micro-batch {micro})")
+
+    needed_mem: float | None = None
+    cheapest = search.cheapest(world)
+    if cheapest is not None and cheapest.total_gib > search.mem_limit_gib:
+        needed_mem = cheapest.total_gib
+        shown = math.ceil(needed_mem * 100 - 1e-9) / 100
+        options.append(
+            f"mem_limit_gib {shown:.2f} (ZeRO-{cheapest.zero}, micro-batch 1, "
+            f"accumulation {cheapest.accum})"
+        )
+
+    world_below: int | None = None
+    # A world above the band's upper end has no plan, so start there; and if even the cheapest
+    # setting at this world exceeds memory, fewer ranks (more state per rank) cannot help,
+    # unless no stage shards anything.
+    memory_bound = cheapest is not None and cheapest.total_gib > search.mem_limit_gib
+    sharded = any(z >= 1 for z in search.zero_stages)
+    if not (memory_bound and sharded):
+        for w in range(min(world - 1, hi), 0, -1):
+            if search.best(w) is not None:
+                world_below = w
+                options.append(f"world size {w} (leave {world - w} ranks idle)")
+                break
+
+    world_above: int | None = None
+    if memory_bound and sharded:
+        for w in range(world + 1, hi + 1):
+            if search.best(w) is not None:
+                world_above = w
+                options.append(f"world size {w}")
+                break
+
+    why = "nearest options: " + ", or ".join(options) if options else "no nearby option"
+    message = (
+        f"world size {world} has no plan: global batch {target} ±{float(tolerance) * 100:g}% "
+        f"= [{lo}, {hi}] under {_fmt_gib(search.mem_limit_gib)} GiB/GPU; {why}"
+    )
+    return NoFeasiblePlan(
+        message,
+        world_size=world,
+        band=search.band,
+        needed_tolerance=needed_tolerance,
+        needed_mem_limit_gib=needed_mem,
+        world_below=world_below,
+        world_above=world_above,
+    )

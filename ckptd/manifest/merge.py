@@ -1,0 +1,88 @@
+"""Merging the partial manifests of one save attempt into the step's manifest.
+
+Runs in the coordinator, in the background, with no collectives: the partials on storage are the
+only input. Checks that ranks agree on every logical tensor's dtype and global shape and that
+every element is covered by at least one chunk (a hole names the tensor and the missing box).
+Chunks with identical boxes are kept once (the lowest rank's); partially overlapping chunks are
+all kept (``ckptd verify`` checks that the copies agree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptd.errors import CorruptCheckpoint, StateMismatch
+from ckptd.manifest.schema import Chunk, Manifest, TensorEntry
+from ckptd.regions import Box
+
+
+def merge(partials: Sequence[Manifest]) -> Manifest:
+    """The step's manifest from every rank's partial (one per rank of the saving world)."""
+    if not partials:
+        raise CorruptCheckpoint("no partial manifests to merge")
+    first = partials[0]
+    ranks = sorted(p.rank for p in partials if p.rank is not None)
+    if ranks != list(range(first.world_size)):
+        raise CorruptCheckpoint(
+            f"attempt {first.attempt}: partials of ranks {ranks}, expected 0..{first.world_size - 1}"
+        )
+    for p in partials:
+        if (p.attempt, p.step, p.world_size) != (first.attempt, first.step, first.world_size):
+            raise CorruptCheckpoint(
+                f"partial of rank {p.rank} belongs to attempt {p.attempt} step {p.step} world "
+                f"{p.world_size}, not attempt {first.attempt} step {first.step} world "
+                f"{first.world_size}"
+            )
+    tensors: dict[str, TensorEntry] = {}
+    chunks: dict[str, list[Chunk]] = {}
+    seen: dict[str, set[Box]] = {}
+    for p in sorted(partials, key=lambda p: p.rank or 0):
+        for name, entry in p.tensors.items():
+            known = tensors.get(name)
+            if known is None:
+                tensors[name] = TensorEntry(entry.dtype, entry.shape)
+                chunks[name], seen[name] = [], set()
+            elif (known.dtype, known.shape) != (entry.dtype, entry.shape):
+                raise StateMismatch(
+                    f"{name}: rank {p.rank} saves dtype {entry.dtype} shape {entry.shape}, an "
+                    f"earlier rank {known.dtype} shape {known.shape}"
+                )
+            for c in entry.chunks:
+                if c.box not in seen[name]:
+                    seen[name].add(c.box)
+                    chunks[name].append(c)
+    for name, entry in tensors.items():
+        hole = find_hole(Box.whole(entry.shape), [c.box for c in chunks[name]])
+        if hole is not None:
+            raise StateMismatch(
+                f"{name}: elements at offsets {list(hole.offsets)} sizes {list(hole.sizes)} of "
+                f"shape {list(entry.shape)} are saved by no rank (check the leaves' offsets and "
+                "replica/replicas)"
+            )
+        tensors[name] = TensorEntry(entry.dtype, entry.shape, tuple(chunks[name]))
+    locals_: dict[str, dict[str, object]] = {}
+    for p in partials:
+        locals_.update(p.locals)
+    return Manifest(
+        step=first.step,
+        attempt=first.attempt,
+        world_size=first.world_size,
+        created=max(p.created for p in partials),
+        tensors=tensors,
+        values=next((p.values for p in partials if p.rank == 0), {}),
+        locals=locals_,
+        training=next((p.training for p in partials if p.rank == 0), {}),
+    )
+
+
+def find_hole(whole: Box, boxes: Sequence[Box]) -> Box | None:
+    """A box of ``whole`` that none of ``boxes`` covers, or None when they cover it all."""
+    remaining = [whole] if whole.numel else []
+    for b in sorted(boxes, key=lambda b: -b.numel):
+        if not remaining:
+            break
+        nxt: list[Box] = []
+        for r in remaining:
+            nxt.extend(r.subtract(b))
+        remaining = nxt
+    return remaining[0] if remaining else None

@@ -1,0 +1,99 @@
+"""Writing one rank's data files from a staged arena (runs in background threads)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ckptd.manifest import Chunk, Frame
+from ckptd.regions import Box
+from ckptd.storage import Storage
+from ckptd.writer import codecs
+from ckptd.writer.pack import FilePlan
+
+ChunkList = list[tuple[str, Chunk]]
+
+
+def _frames_of(view: memoryview, frame_bytes: int) -> Iterator[memoryview]:
+    for i in range(0, len(view), frame_bytes):
+        yield view[i : i + frame_bytes]
+
+
+def write_file(
+    storage: Storage,
+    step_dir: str,
+    rel_path: str,
+    arena: torch.Tensor,
+    plan: FilePlan,
+    codec: str,
+    level: int,
+    frame_bytes: int,
+    rank: int,
+) -> ChunkList:
+    """Write one data file; return the chunks it holds (with their frames' checksums)."""
+    mem = memoryview(arena.numpy()).cast("B")
+    chunks: ChunkList = []
+    if codec == codecs.RAW:
+        # The arena range is the file image: checksum frames in place, then one big write.
+        for s in plan.slots:
+            raw = mem[s.offset : s.offset + s.nbytes]
+            frames = tuple(Frame(len(f), codecs.checksum(f)) for f in _frames_of(raw, frame_bytes))
+            chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, s.offset - plan.start,
+                                                s.nbytes, codec, frame_bytes, frames, rank)))
+        storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]])
+        return chunks
+
+    parts: list[codecs.Buffer] = []
+    cursor = 0
+    for s in plan.slots:
+        raw = mem[s.offset : s.offset + s.nbytes]
+        itemsize = s.piece.view.element_size()
+        start = cursor
+        frames = []
+        for f in _frames_of(raw, frame_bytes):
+            stored = codecs.encode(f, codec, itemsize, level)
+            frames.append(Frame(len(stored), codecs.checksum(stored)))
+            parts.append(stored)
+            cursor += len(stored)
+        chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, start, s.nbytes, codec,
+                                            frame_bytes, tuple(frames), rank)))
+    storage.write_file(f"{step_dir}/{rel_path}", parts)
+    return chunks
+
+
+def _chunk(box: Box, file: str, offset: int, length: int, codec: str, frame_bytes: int,
+           frames: tuple[Frame, ...], rank: int) -> Chunk:
+    return Chunk(box=box, file=file, offset=offset, length=length, codec=codec,
+                 frame_bytes=frame_bytes, frames=frames, rank=rank)
+
+
+def write_all(
+    pool: ThreadPoolExecutor,
+    storage: Storage,
+    step_dir: str,
+    paths: list[str],
+    arena: torch.Tensor,
+    plans: list[FilePlan],
+    codec: str,
+    level: int,
+    frame_bytes: int,
+    rank: int,
+) -> ChunkList:
+    """Write every file of the rank in parallel; the first error is raised after all stop."""
+    futures = [
+        pool.submit(write_file, storage, step_dir, path, arena, plan, codec, level, frame_bytes,
+                    rank)
+        for path, plan in zip(paths, plans, strict=True)
+    ]
+    out: ChunkList = []
+    error: BaseException | None = None
+    for f in futures:
+        try:
+            out.extend(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finish
+            error = error or e
+    if error is not None:
+        raise error
+    return out

@@ -1,0 +1,93 @@
+"""A pending save, named by its phases: *staged* (the caller may modify the state) and
+*committed* (``manifest.json`` names it)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+class Phase(enum.Enum):
+    STAGING = "staging"  # copying the state into host memory; the caller must not modify it
+    STAGED = "staged"  # bytes are in host memory; being written in the background
+    COMMITTED = "committed"  # manifest.json of this save exists: it is a checkpoint
+    FAILED = "failed"  # the save raised; the previous checkpoint is still `latest`
+    SKIPPED = "skipped"  # dropped because the previous save was still in flight (on_busy="skip")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    url: str
+    nbytes: int  # bytes this rank wrote (stored size)
+    stall_s: float  # time the caller was blocked (until staged)
+    write_s: float  # staged -> committed
+
+
+class SaveHandle:
+    """Returned by ``save_async``. ``wait_staged()`` before modifying the state when saving with
+    ``overlap=True``; ``result()`` blocks until the step is committed on every rank."""
+
+    def __init__(self, step: int, url: str) -> None:
+        self.step = step
+        self.url = url
+        self.phase = Phase.STAGING
+        self.stall_s = 0.0
+        self._staged: Future[None] = Future()
+        self._committed: Future[SaveResult] = Future()
+        self._reported = False
+        self._lock = threading.Lock()
+        self.on_wait_staged: list[object] = []
+
+    # -- producer side (the checkpointer) --
+    def _set_staged(self) -> None:
+        self.phase = Phase.STAGED
+        self._staged.set_result(None)
+
+    def _set_committed(self, result: SaveResult) -> None:
+        self.phase = Phase.COMMITTED
+        self._committed.set_result(result)
+
+    def _set_failed(self, error: BaseException) -> None:
+        self.phase = Phase.FAILED
+        if not self._staged.done():
+            self._staged.set_exception(error)
+        self._committed.set_exception(error)
+
+    def _take_error(self) -> BaseException | None:
+        """The background error, once: the first caller to take it raises it."""
+        if not self._committed.done():
+            return None
+        error = self._committed.exception()
+        with self._lock:
+            if error is None or self._reported:
+                return None
+            self._reported = True
+        return error
+
+    # -- consumer side --
+    def done(self) -> bool:
+        return self._committed.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        self._staged.result(timeout)
+        for check in self.on_wait_staged:
+            check()  # type: ignore[operator]
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        try:
+            return self._committed.result(timeout)
+        except BaseException:
+            with self._lock:
+                self._reported = True
+            raise
+
+
+class SkippedHandle(SaveHandle):
+    def __init__(self, step: int, url: str) -> None:
+        super().__init__(step, url)
+        self.phase = Phase.SKIPPED
+        self._staged.set_result(None)
+        self._committed.set_result(SaveResult(step, url, 0, 0.0, 0.0))
