@@ -157,7 +157,8 @@ class Checkpointer:
         attempt = f"{self.run_id}-{self._seq:06d}"
         described = describe(state, self.rank, self.world_size)
         writers = [p for p in described.pieces if p.is_writer]
-        plans, total = pack(writers, self.threads, config.get().file_alignment)
+        plans, total = pack(writers, self.threads, config.get().file_alignment,
+                            config.get().min_file_bytes)
         arena = self.pool.acquire(total)
         handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
         self._handles = [h for h in self._handles if not h.done()] + [handle]

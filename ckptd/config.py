@@ -21,6 +21,9 @@ class Tunables:
     frame_bytes: int = 1 << 20
     # Chunk start offsets in data files are aligned to this (O_DIRECT needs 4 KiB alignment).
     file_alignment: int = 4096
+    # A rank's data is split into up to `io_threads` files written in parallel, but no file is
+    # made smaller than this: many tiny files cost more in metadata than parallelism wins.
+    min_file_bytes: int = 64 << 20
     # How long the coordinator waits for every rank's partial manifest before giving up. A rank
     # that died mid-save therefore fails the commit after this long, leaving `latest` unchanged.
     commit_timeout_s: float = 600.0

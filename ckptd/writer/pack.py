@@ -32,28 +32,30 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def pack(pieces: list[Piece], files: int, alignment: int) -> tuple[list[FilePlan], int]:
-    """Files and the arena size they need."""
+PIECE_ALIGN = 64  # element alignment for every dtype, and a cache line
+
+
+def pack(pieces: list[Piece], files: int, alignment: int,
+         min_file_bytes: int = 1) -> tuple[list[FilePlan], int]:
+    """Files (at most ``files``, none below ``min_file_bytes`` unless it is the only one) and
+    the arena size they need. Each file starts at an ``alignment`` boundary of the arena and is
+    padded to one, so it can be written with O_DIRECT in one call; pieces inside a file are only
+    aligned to PIECE_ALIGN, so small tensors do not waste a block each."""
     ordered = sorted(pieces, key=lambda p: (p.name, p.box.offsets, p.box.sizes))
-    slots, cursor = [], 0
-    for p in ordered:
-        n = p.view.numel() * p.view.element_size()
-        if n == 0:
-            continue
-        cursor = _align(cursor, alignment)
-        slots.append(Slot(p, cursor, n))
-        cursor += n
-    total = _align(cursor, alignment)
+    sized = [(p, p.view.numel() * p.view.element_size()) for p in ordered]
+    sized = [(p, n) for p, n in sized if n]
+    total_raw = sum(n for _, n in sized)
+    target = max(1, min_file_bytes, -(-total_raw // max(1, files)))
     plans: list[FilePlan] = []
-    target = max(1, -(-total // max(1, files)))
     current: list[Slot] = []
-    start = 0
-    for s in slots:
-        current.append(s)
-        end = _align(s.offset + s.nbytes, alignment)
-        if end - start >= target and len(plans) < files - 1:
+    start = cursor = 0
+    for i, (p, n) in enumerate(sized):
+        cursor = _align(cursor, PIECE_ALIGN)
+        current.append(Slot(p, cursor, n))
+        cursor += n
+        last = i == len(sized) - 1
+        if last or (cursor - start >= target and len(plans) < files - 1):
+            end = _align(cursor, alignment)
             plans.append(FilePlan(len(plans), start, end, current))
-            current, start = [], end
-    if current:
-        plans.append(FilePlan(len(plans), start, _align(current[-1].offset + current[-1].nbytes, alignment), current))
-    return plans, total
+            current, start, cursor = [], end, end
+    return plans, cursor

@@ -1,0 +1,199 @@
+"""Any fsspec URL as a checkpoint root: ``s3://bucket/prefix``, ``memory://x``, ``file://...``.
+
+``s3://`` gets a dedicated path (:mod:`ckptd.storage.s3`: parallel multipart uploads, parallel
+ranged GETs, bounded retries with backoff); every other filesystem takes the generic fsspec calls
+(``open``/``pipe_file``/``cat_file``/``ls``/``rm``). fsspec backends are imported here, lazily, so
+that the local fast path needs none of them.
+
+Commit rule on object stores: ``put_atomic`` is a single PUT, and an object appears whole or not
+at all, so ``manifest.json`` written last by one PUT is the commit (there is no rename to rely on);
+``latest`` is only a hint. See docs/storage.md.
+
+Example::
+
+    storage = FsspecStorage("s3://bucket/run1", {"client_kwargs": {"endpoint_url": url}})
+    storage.write_file("data/0/a.bin", [buf1, buf2])     # multipart upload above 16 MiB
+    storage.put_atomic("000100/manifest.json", b"{...}")  # the commit
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import fsspec
+
+from ckptd.errors import StorageError
+from ckptd.storage.base import Buffer, join
+from ckptd.storage.s3 import S3Objects, S3Transfer, client_config
+
+__all__ = ["FsspecStorage", "S3Transfer"]
+
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+class FsspecStorage:
+    """A checkpoint root at an fsspec URL. Thread-safe.
+
+    ``storage_options`` go to the fsspec filesystem (for S3, to :class:`s3fs.S3FileSystem`:
+    ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``, ``s3_additional_kwargs``...),
+    except that on S3 ckptd owns the retry policy, configured by ``transfer``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        transfer: S3Transfer | None = None,
+    ) -> None:
+        if "://" not in url:
+            raise ValueError(f"not an fsspec URL (expected protocol://...): {url!r}")
+        self.url = url.rstrip("/")
+        self.protocol = self.url.split("://", 1)[0]
+        self.transfer = transfer or S3Transfer()
+        options = dict(storage_options or {})
+        self._s3: S3Objects | None = None
+        if self.protocol in _S3_PROTOCOLS:
+            try:
+                import s3fs  # noqa: F401  (fails early, with the hint, instead of inside fsspec)
+            except ImportError as e:
+                raise ImportError(f"{self.url}: S3 needs s3fs: pip install 'ckptd[s3]'") from e
+            options["config_kwargs"] = client_config(options.get("config_kwargs"), self.transfer)
+            fs = fsspec.filesystem(self.protocol, **options)
+            bucket, _, self._root = fs._strip_protocol(self.url).partition("/")
+            self._s3 = S3Objects(fs, bucket, self.transfer)
+        else:
+            try:
+                fs = fsspec.filesystem(self.protocol, **options)
+            except (ImportError, ValueError) as e:
+                raise ImportError(f"{self.url}: no fsspec backend for {self.protocol!r}: {e}") from e
+            self._root = fs._strip_protocol(self.url).rstrip("/")
+        self._fs = fs
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def _path(self, path: str) -> str:
+        """The backend's own path (S3: the key) of ``path`` under the root."""
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"{self.url}: paths are relative, without '..': {path!r}")
+        return join(self._root, path) if self._s3 else posixpath.join(self._root, path).rstrip("/")
+
+    def _url(self, path: str) -> str:
+        return f"{self.url}/{path}" if path else self.url
+
+    # -- the Storage protocol --------------------------------------------------------------
+
+    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+        if self._s3:
+            return self._s3.write_file(self._path(path), parts)
+        full = self._path(path)
+        total = 0
+        try:
+            self._makedirs(posixpath.dirname(full))
+            with self._fs.open(full, "wb") as f:
+                for part in parts:
+                    total += len(memoryview(part).cast("B"))
+                    f.write(part)
+        except OSError as e:
+            raise _storage_error(self._url(path), "write", e) from e
+        return total
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        if self._s3:
+            return self._s3.put(self._path(path), data)
+        full = self._path(path)
+        try:
+            self._makedirs(posixpath.dirname(full))
+            if self._is_local():  # a filesystem: readers could see a half-written file
+                tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+                self._fs.pipe_file(tmp, data)
+                self._fs.mv(tmp, full)
+            else:  # an object store or memory: one put is all-or-nothing
+                self._fs.pipe_file(full, data)
+        except OSError as e:
+            raise _storage_error(self._url(path), "write", e) from e
+
+    def read_bytes(self, path: str) -> bytes:
+        if self._s3:
+            return self._s3.read_bytes(self._path(path))
+        data: bytes = self._fs.cat_file(self._path(path))
+        return data
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        for offset, length in ranges:
+            if offset < 0 or length < 0:
+                raise ValueError(f"{self._url(path)}: bad range {offset}+{length}")
+        if self._s3:
+            return self._s3.read_ranges(self._path(path), ranges)
+        full = self._path(path)
+        out: list[bytes] = []
+        for offset, length in ranges:
+            data = self._fs.cat_file(full, start=offset, end=offset + length) if length else b""
+            if len(data) != length:
+                raise EOFError(
+                    f"{self._url(path)}: wanted {length} bytes at offset {offset}, got {len(data)}"
+                )
+            out.append(data)
+        return out
+
+    def size(self, path: str) -> int:
+        if self._s3:
+            return self._s3.size(self._path(path))
+        return int(self._fs.size(self._path(path)))
+
+    def exists(self, path: str) -> bool:
+        if self._s3:
+            return self._s3.exists(self._path(path))
+        return bool(self._fs.exists(self._path(path)))
+
+    def list_dir(self, path: str) -> list[str]:
+        if self._s3:
+            return self._s3.list_dir(self._path(path))
+        full = self._path(path)
+        try:
+            entries = self._fs.ls(full, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
+        names.discard(posixpath.basename(full))  # ls of a file lists the file itself
+        return sorted(n for n in names if n and str(entries[0]).rstrip("/") != full)
+
+    def remove(self, path: str) -> None:
+        if self._s3:
+            return self._s3.remove(self._path(path))
+        try:
+            self._fs.rm(self._path(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    # -- beyond the protocol ---------------------------------------------------------------
+
+    def abort_incomplete_uploads(self, prefix: str = "", *, min_age_s: float = 0.0) -> int:
+        """Abort multipart uploads under ``prefix`` started at least ``min_age_s`` ago (S3 only;
+        elsewhere there are none); returns how many. ``ckptd gc`` should pass a ``min_age_s``
+        above the longest save so that it never aborts an upload still in progress."""
+        if not self._s3:
+            return 0
+        return self._s3.abort_incomplete_uploads(self._path(prefix), min_age_s)
+
+    def _is_local(self) -> bool:
+        return "file" in _protocols(self._fs) or "local" in _protocols(self._fs)
+
+    def _makedirs(self, parent: str) -> None:
+        if self._is_local() and parent:
+            self._fs.makedirs(parent, exist_ok=True)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def _storage_error(url: str, action: str, e: OSError) -> StorageError:
+    err = StorageError(f"{url}: {action} failed: {e.strerror or e}")
+    err.errno = e.errno
+    return err
