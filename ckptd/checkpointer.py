@@ -201,7 +201,7 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> None:
         h = job.handle
-        released = False
+        released = partial_written = False
         try:
             if job.stage is not None:
                 job.stage()
@@ -223,6 +223,7 @@ class Checkpointer:
                                job.training, rank=self.rank)
             self.storage.put_atomic(L.partial_path(job.step, job.attempt, self.rank),
                                     partial.encode())
+            partial_written = True
             if self.rank == 0:
                 C.coordinate(self.storage, job.step, job.attempt, self.world_size, self.run_id)
                 if self.keep_last > 0:
@@ -238,8 +239,19 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             if not released:
                 self.pool.release(job.arena)
+            if not partial_written:  # once a partial names them, a commit may still use them
+                self._discard_files(job)
             log.error("ckptd: save of step %d failed: %s", job.step, e)
             h._set_failed(e)
+
+    def _discard_files(self, job: _Job) -> None:
+        """Best effort: a failed save should not keep holding space (a full disk)."""
+        for plan in job.plans:
+            path = f"{L.step_dir(job.step)}/{L.data_file(job.attempt, self.rank, plan.index)}"
+            try:
+                self.storage.remove(path)
+            except OSError as e:
+                log.warning("ckptd: could not remove %s: %s", path, e)
 
     def _record(self, r: SaveResult) -> None:
         line = {"step": r.step, "rank": self.rank, "world_size": self.world_size,

@@ -11,7 +11,8 @@
 - ``run`` returns each rank's return value, in rank order. If any rank raises, ``run`` raises
   :class:`RankFailed` whose message carries that rank's traceback text (and those of other ranks
   that failed at about the same time); the stragglers are killed. A run that exceeds ``timeout``
-  kills every rank still alive and raises :class:`RankFailed` naming them.
+  kills every rank still alive and raises :class:`RankFailed` naming them. Return values travel
+  by plain pickle (tensors are copied, not shared).
 - Inside ``fn``, :func:`store` is this run's store (coordination without collectives) and
   :func:`exchange` an all-gather of strings through it.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -93,7 +95,9 @@ def _worker(
             "gloo", store=_store, rank=rank, world_size=world_size, timeout=pg_timeout
         )
         result = fn(rank, world_size, *args, **kwargs)
-        conn.send(("ok", result))
+        # plain pickle: multiprocessing's pickler would share tensors through file descriptors
+        # that die with this process
+        conn.send(("ok", pickle.dumps(result)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -183,7 +187,7 @@ def _collect(
                 failures[rank] = f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
         if failures and pending:

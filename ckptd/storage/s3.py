@@ -27,13 +27,16 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import botocore.exceptions
 
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer
+
+if TYPE_CHECKING:
+    from ckptd.storage.fsspec_backend import S3Transfer
 
 T = TypeVar("T")
 
@@ -52,28 +55,6 @@ _RETRY_EXCEPTIONS: tuple[type[BaseException], ...] = (
 )
 _S3_MAX_PARTS = 10_000
 _S3_MAX_PART_BYTES = 5 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class S3Transfer:
-    """Transfer tuning; defaults are explained in docs/storage.md ("Tuning")."""
-
-    # Upload part and ranged-GET unit. S3 requires >= 5 MiB for every part but the last. 16 MiB
-    # amortises per-request overhead (~10-30 ms on S3) while keeping buffered memory bounded.
-    part_bytes: int = 16 << 20
-    # Requests in flight per storage object (all threads together); also bounds upload buffers:
-    # at most ``concurrency`` parts (16 x 16 MiB = 256 MiB) are held at once. One S3 connection
-    # carries ~50-100 MB/s, so 16 connections approach the NIC of a typical training node.
-    concurrency: int = 16
-    # Attempts per request (first try included) and the backoff cap. Worst-case wait per request
-    # is bounded by about (max_attempts - 1) * max_delay_s; the expected wait is far lower.
-    max_attempts: int = 8
-    base_delay_s: float = 0.2
-    max_delay_s: float = 20.0
-
-    def __post_init__(self) -> None:
-        if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_attempts <= 0:
-            raise ValueError(f"S3Transfer: sizes and counts must be positive: {self}")
 
 
 def client_config(config_kwargs: dict[str, Any] | None, transfer: S3Transfer) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from ckptd import config
+from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, merge
 from ckptd.manifest import layout as L
@@ -33,11 +33,21 @@ def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
     return out
 
 
-def _failed_reason(storage: Storage, step: int, attempt: str) -> str | None:
+def _failed_error(storage: Storage, step: int, attempt: str) -> CkptdError | None:
+    """The coordinator's error, re-created with its ckptd class so every rank raises the same."""
     try:
-        return storage.read_bytes(L.failed_path(step, attempt)).decode(errors="replace")
+        raw = storage.read_bytes(L.failed_path(step, attempt))
     except FileNotFoundError:
         return None
+    try:
+        doc = json.loads(raw)
+        kind, message = str(doc["type"]), str(doc["message"])
+    except (ValueError, KeyError, TypeError):
+        kind, message = "CkptdError", raw.decode(errors="replace")
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
+        cls, message = CkptdError, f"{kind}: {message}"
+    return cls(f"step {step} was not committed: {message}")
 
 
 def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_id: str) -> Manifest:
@@ -67,7 +77,8 @@ def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_i
         return manifest
     except BaseException as e:
         try:
-            storage.put_atomic(L.failed_path(step, attempt), str(e).encode())
+            doc = {"type": type(e).__name__, "message": str(e)}
+            storage.put_atomic(L.failed_path(step, attempt), json.dumps(doc).encode())
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
         raise
@@ -86,9 +97,9 @@ def wait_committed(storage: Storage, step: int, attempt: str) -> Manifest:
                 m = None  # replaced under our feet by retention/another commit: look again
             if m is not None and m.attempt == attempt:
                 return m
-        reason = _failed_reason(storage, step, attempt)
-        if reason is not None:
-            raise CkptdError(f"step {step} was not committed: {reason}")
+        error = _failed_error(storage, step, attempt)
+        if error is not None:
+            raise error
         try:
             delay = _poll(deadline, delay)
         except TimeoutError:

@@ -1,0 +1,133 @@
+"""The commit protocol: attempts, stragglers, foreign jobs, holes, finalisation, failures."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import config
+from ckptd.errors import ForeignWriter, StorageError
+from ckptd.manifest import layout as L
+from faulty_storage import FailAfterBytes
+
+
+def _sim(url, world, run_id="job", **kw):
+    return [ckptd.Checkpointer(url, rank=r, world_size=world, run_id=run_id, **kw)
+            for r in range(world)]
+
+
+def test_a_straggler_of_an_earlier_world_is_never_merged(tmp_path):
+    url = str(tmp_path)
+    # An old world of 2 ranks: only its rank 1 still runs and writes a partial for step 5.
+    old = ckptd.Checkpointer(url, rank=1, world_size=2, run_id="old-world")
+    with config.override(commit_timeout_s=0.2):
+        straggler = old.save_async({"w": ckptd.Shard(torch.full((2,), 666.0), (4,), (2,))}, step=5)
+        # The new world (2 ranks) saves the same step under its own attempt.
+        new = _sim(url, 2, run_id="new-world")
+        hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))}, step=5)
+              for r, c in enumerate(new)]
+        for h in hs:
+            h.result()
+        with pytest.raises(ckptd.CkptdError, match="not committed|no commit"):
+            straggler.result()
+    dst = {"w": torch.zeros(4)}
+    new[0].load(dst, step=5)
+    assert torch.equal(dst["w"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    for c in new:
+        c.close()
+    old.close()  # the straggler's error was already raised once, by result()
+
+
+def test_two_jobs_on_one_root_fail_loudly(tmp_path):
+    url = str(tmp_path)
+    first = ckptd.Checkpointer(url, run_id="job-a")
+    first.save({"w": torch.ones(3)}, step=1)
+    second = ckptd.Checkpointer(url, run_id="job-b")  # takes the root over
+    with pytest.raises(ForeignWriter, match="owned by run job-b.*another job"):
+        first.save({"w": torch.zeros(3)}, step=2)
+    second.save({"w": torch.full((3,), 2.0)}, step=2)
+    dst = {"w": torch.zeros(3)}
+    second.load(dst)
+    assert torch.equal(dst["w"], torch.full((3,), 2.0))
+    first.close()
+    second.close()
+
+
+def test_a_hole_in_coverage_fails_the_save_naming_the_tensor(tmp_path):
+    cs = _sim(str(tmp_path), 2)
+    hs = [c.save_async({"w": ckptd.Shard(torch.ones(3, 4), (8, 4), (r * 3, 0))}, step=1)
+          for r, c in enumerate(cs)]
+    for h in hs:  # every rank raises the coordinator's error, with its class
+        with pytest.raises(ckptd.StateMismatch, match=r"w: elements at offsets \[6, 0\] sizes "
+                                                      r"\[2, 4\] of shape \[8, 4\]"):
+            h.result()
+    assert not os.path.exists(tmp_path / L.manifest_path(1))
+    for c in cs:
+        c.close()
+
+
+def test_replicated_pieces_are_written_once_spread_across_replicas(tmp_path):
+    cs = _sim(str(tmp_path), 4)
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(16)}
+    hs = [c.save_async(state, step=1) for c in cs]
+    for h in hs:
+        h.result()
+    m = cs[0].read_manifest(1)
+    assert all(len(e.chunks) == 1 for e in m.tensors.values())
+    writers = {e.chunks[0].rank for e in m.tensors.values()}
+    assert len(writers) >= 3  # 16 tensors hashed over 4 replicas
+    for c in cs:
+        c.close()
+
+
+def test_storage_failure_surfaces_once_and_latest_stays_on_previous(tmp_path):
+    root = str(tmp_path)
+    with ckptd.Checkpointer(root, run_id="j") as good:
+        good.save({"w": torch.ones(1 << 16)}, step=1)
+    bad = ckptd.Checkpointer(root, run_id="j", storage=FailAfterBytes(root, limit=100_000))
+    h = bad.save_async({"w": torch.full((1 << 16,), 2.0)}, step=2)
+    with pytest.raises(StorageError, match="Input/output error"):
+        bad.wait()
+    bad.wait()  # raised exactly once
+    assert h.phase.value == "failed"
+    assert not os.path.exists(tmp_path / L.manifest_path(2))
+    bad.close()
+    with ckptd.Checkpointer(root) as c:
+        assert c.latest_step() == 1
+        dst = {"w": torch.zeros(1 << 16)}
+        c.load(dst)
+        assert torch.equal(dst["w"], torch.ones(1 << 16))
+
+
+def _tiny_tmpfs(path) -> bool:
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_full_disk_is_a_clear_error_and_commits_nothing(tmp_path):
+    mnt = tmp_path / "small"
+    mounted = _tiny_tmpfs(mnt)
+    root = str(mnt / "root")
+    try:
+        with ckptd.Checkpointer(root, run_id="j") as c:
+            c.save({"w": torch.ones(1000)}, step=1)
+        storage = None if mounted else FailAfterBytes(root, 100_000, errno.ENOSPC)
+        c = ckptd.Checkpointer(root, run_id="j", storage=storage)
+        with pytest.raises(StorageError, match=r"disk full \(ENOSPC\)"):
+            c.save({"w": torch.ones(1 << 20)}, step=2)  # 4 MiB into 512 KiB
+        c.close()
+        assert not os.path.exists(os.path.join(root, L.manifest_path(2)))
+        with ckptd.Checkpointer(root) as c2:
+            dst = {"w": torch.zeros(1000)}
+            assert c2.load(dst).step == 1
+            assert torch.equal(dst["w"], torch.ones(1000))
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=False)

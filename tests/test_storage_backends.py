@@ -1,0 +1,314 @@
+"""One storage suite for every backend (local directory, memory://, S3 on moto), then S3 faults.
+
+S3 runs with 64 KiB parts (see conftest), so a few hundred KiB already make many-part uploads and
+many ranged GETs. Faults come from a real HTTP proxy between the client and the moto server
+(tests/fault_proxy.py), not from patching the client.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ckptd.errors import StorageError
+from ckptd.storage.base import Storage
+from ckptd.storage.fsspec_backend import FsspecStorage, S3Transfer
+from tests.conftest import TEST_PART_BYTES, S3Bucket, fast_transfer, s3_options
+from tests.fault_proxy import FaultProxy, Request
+
+PART = TEST_PART_BYTES
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def irregular(data: bytes) -> Iterator[Any]:
+    """``data`` as buffers of awkward sizes and kinds (bytes, bytearray, memoryview, empty)."""
+    cuts = [0, 1, 1, 1000, PART - 7, PART + 3, 3 * PART + 11]
+    cuts = sorted({min(c, len(data)) for c in cuts} | {len(data)})
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        kind = i % 3
+        yield data[lo:hi] if kind == 0 else bytearray(data[lo:hi]) if kind == 1 else memoryview(
+            data
+        )[lo:hi]
+    yield b""
+
+
+class TestEveryBackend:
+    def test_is_a_storage(self, backend: Storage) -> None:
+        assert isinstance(backend, Storage)
+
+    def test_multi_part_object_round_trips_bit_exact(self, backend: Storage) -> None:
+        data = payload(10 * PART + 12345)
+        assert backend.write_file("data/0/a.bin", irregular(data)) == len(data)
+        assert backend.size("data/0/a.bin") == len(data)
+        assert backend.read_bytes("data/0/a.bin") == data
+
+    def test_caller_may_reuse_a_buffer_once_it_is_yielded(self, backend: Storage) -> None:
+        chunks = [payload(PART // 2 + 1, seed=s) for s in range(7)]
+
+        def refilled() -> Iterator[bytearray]:
+            buf = bytearray(len(chunks[0]))
+            for chunk in chunks:
+                buf[:] = chunk
+                yield buf
+
+        backend.write_file("reused.bin", refilled())
+        assert backend.read_bytes("reused.bin") == b"".join(chunks)
+
+    def test_empty_and_small_objects(self, backend: Storage) -> None:
+        assert backend.write_file("empty.bin", []) == 0
+        assert backend.size("empty.bin") == 0
+        assert backend.read_bytes("empty.bin") == b""
+        assert backend.write_file("small.bin", [b"ab", b"", b"c"]) == 3
+        assert backend.read_bytes("small.bin") == b"abc"
+
+    def test_read_ranges_returns_exactly_the_requested_bytes(self, backend: Storage) -> None:
+        n = 5 * PART + 77
+        data = payload(n, seed=1)
+        backend.write_file("r.bin", [data])
+        ranges = [
+            (0, 1), (n - 1, 1), (0, n), (PART - 1, 2), (PART // 2, 3 * PART), (17, 0),
+            (3 * PART, 2 * PART + 77), (5, 10), (5, 10), (n, 0), (2 * PART, PART),
+        ]
+        got = backend.read_ranges("r.bin", ranges)
+        assert [len(g) for g in got] == [length for _, length in ranges]
+        assert got == [data[o : o + length] for o, length in ranges]
+        assert backend.read_ranges("r.bin", []) == []
+
+    @pytest.mark.parametrize("past_end", [(1, 2), (0, 1), (-5, 10)])
+    def test_read_past_the_end_is_an_eof_error(
+        self, backend: Storage, past_end: tuple[int, int]
+    ) -> None:
+        backend.write_file("short.bin", [b"0123456789"])
+        offset, length = 10 - past_end[0], past_end[1]
+        with pytest.raises(EOFError, match="short.bin"):
+            backend.read_ranges("short.bin", [(0, 3), (offset, length)])
+
+    def test_put_atomic_overwrites_and_leaves_nothing_else(self, backend: Storage) -> None:
+        backend.put_atomic("000001/manifest.json", b'{"v": 1}')
+        backend.put_atomic("000001/manifest.json", b'{"v": 2, "longer": true}')
+        assert backend.read_bytes("000001/manifest.json") == b'{"v": 2, "longer": true}'
+        assert backend.list_dir("000001") == ["manifest.json"]
+
+    def test_list_dir_names_direct_children_only(self, backend: Storage) -> None:
+        for path in ["a/b/c.bin", "a/d.json", "a/e/f/g.bin", "ab/x", "top.json"]:
+            backend.put_atomic(path, path.encode())
+        assert backend.list_dir("a") == ["b", "d.json", "e"]
+        assert backend.list_dir("") == ["a", "ab", "top.json"]
+        assert backend.list_dir("a/e") == ["f"]
+        assert backend.list_dir("missing") == []
+        assert backend.list_dir("a/d.json") == []
+
+    def test_remove_takes_a_prefix_but_not_its_siblings(self, backend: Storage) -> None:
+        for path in ["s/1/x", "s/1/y/z", "s/10/x", "s/1x", "t"]:
+            backend.put_atomic(path, b"1")
+        backend.write_file("s/1/big.bin", [payload(3 * PART)])
+        backend.remove("s/1")
+        assert backend.list_dir("s") == ["10", "1x"]
+        assert [backend.exists(p) for p in ["s/1/x", "s/1/y/z", "s/1/big.bin"]] == [False] * 3
+        backend.remove("t")
+        assert backend.exists("t") is False
+        backend.remove("never/was")  # absent is not an error
+        assert backend.list_dir("") == ["s"]
+
+    def test_exists_and_size(self, backend: Storage) -> None:
+        backend.write_file("d/f.bin", [payload(PART + 1)])
+        assert backend.exists("d/f.bin") is True
+        assert backend.exists("d") is True
+        assert backend.exists("d/f") is False
+        assert backend.exists("nothing") is False
+        assert backend.size("d/f.bin") == PART + 1
+
+    @pytest.mark.parametrize("op", ["read_bytes", "read_ranges", "size"])
+    def test_missing_object_is_file_not_found(self, backend: Storage, op: str) -> None:
+        backend.put_atomic("there.json", b"{}")
+        call: dict[str, Any] = {
+            "read_bytes": lambda: backend.read_bytes("gone.json"),
+            "read_ranges": lambda: backend.read_ranges("gone.json", [(0, 1)]),
+            "size": lambda: backend.size("gone.json"),
+        }
+        with pytest.raises(FileNotFoundError, match="gone.json"):
+            call[op]()
+
+    def test_concurrent_writers_each_get_their_own_bytes(self, backend: Storage) -> None:
+        datas = {f"w/{i}.bin": payload(3 * PART + i, seed=i) for i in range(6)}
+        errors: list[BaseException] = []
+
+        def write(path: str) -> None:
+            try:
+                backend.write_file(path, irregular(datas[path]))
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(p,)) for p in datas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert {p: backend.read_bytes(p) for p in datas} == datas
+
+
+# -- S3 specifics ------------------------------------------------------------------------------
+
+
+def s3(bucket: S3Bucket, endpoint_url: str | None = None, **transfer: Any) -> FsspecStorage:
+    options = s3_options(endpoint_url) if endpoint_url else bucket.storage_options
+    return FsspecStorage(bucket.url, options, transfer=fast_transfer(**transfer))
+
+
+def uploads_in_progress(bucket: S3Bucket) -> list[str]:
+    resp = bucket.client().list_multipart_uploads(Bucket=bucket.bucket)
+    return [u["Key"] for u in resp.get("Uploads", [])]
+
+
+def keys(bucket: S3Bucket) -> list[str]:
+    resp = bucket.client().list_objects_v2(Bucket=bucket.bucket)
+    return sorted(o["Key"] for o in resp.get("Contents", []))
+
+
+@pytest.fixture
+def proxy(s3_bucket: S3Bucket) -> Iterator[FaultProxy]:
+    with FaultProxy(s3_bucket.server.port, seed=1234) as p:
+        yield p
+
+
+def is_upload_part(req: Request) -> bool:
+    return req.method == "PUT" and "partNumber=" in req.path
+
+
+class TestS3:
+    def test_url_is_the_root_and_keys_sit_under_the_prefix(self, s3_bucket: S3Bucket) -> None:
+        storage = FsspecStorage(s3_bucket.url + "/", s3_bucket.storage_options)
+        assert storage.url == "s3://ckptd-test/run"
+        storage.put_atomic("latest", b"7")
+        assert keys(s3_bucket) == ["run/latest"]
+
+    def test_large_objects_are_multipart_and_small_ones_a_single_put(
+        self, s3_bucket: S3Bucket
+    ) -> None:
+        storage = s3(s3_bucket)
+        storage.write_file("big.bin", [payload(5 * PART + 1)])
+        storage.write_file("one.bin", [payload(PART)])
+        client = s3_bucket.client()
+        assert client.head_object(Bucket="ckptd-test", Key="run/big.bin")["ETag"].endswith('-6"')
+        assert "-" not in client.head_object(Bucket="ckptd-test", Key="run/one.bin")["ETag"]
+        assert uploads_in_progress(s3_bucket) == []
+
+    def test_part_size_doubles_every_thousand_parts(self) -> None:
+        from ckptd.storage.s3 import part_size
+
+        sizes = [part_size(n, 16 << 20) for n in (1, 1000, 1001, 2001, 10_000)]
+        assert sizes == [16 << 20, 16 << 20, 32 << 20, 64 << 20, 5 << 30]
+        assert sum(part_size(n, 16 << 20) for n in range(1, 10_001)) > 5 << 40  # S3's max object
+
+    def test_ten_percent_faults_are_retried_to_bit_exact_results(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=8)
+        proxy.set_faults(0.10, kinds=("500", "503", "reset", "truncate"))
+        datas = {f"data/{i}.bin": payload(8 * PART + 1000 * i, seed=i) for i in range(4)}
+        for path, data in datas.items():
+            assert storage.write_file(path, irregular(data)) == len(data)
+        storage.put_atomic("000001/manifest.json", b'{"step": 1}')
+        for path, data in datas.items():
+            ranges = [(0, len(data)), (PART - 3, 2 * PART + 5), (len(data) - 1, 1)]
+            got = storage.read_ranges(path, ranges)
+            assert got == [data[o : o + length] for o, length in ranges]
+            assert storage.read_bytes(path) == data
+        assert storage.list_dir("data") == ["0.bin", "1.bin", "2.bin", "3.bin"]
+        storage.remove("data")
+        proxy.heal()
+        assert keys(s3_bucket) == ["run/000001/manifest.json"]
+        assert uploads_in_progress(s3_bucket) == []
+        print(proxy.counts)
+        assert proxy.counts["forwarded"] > 100
+        assert proxy.injected >= 8  # the retries were exercised, not skipped by luck
+
+    def test_attempts_are_bounded_and_not_multiplied_by_botocore(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        proxy.fail_all(kind="503")
+        with pytest.raises(StorageError) as err:
+            storage.put_atomic("000002/manifest.json", b"{}")
+        assert str(err.value) == (
+            "s3://ckptd-test/run/000002/manifest.json: PUT failed after 3 attempts: "
+            "SlowDown (HTTP 503)"
+        )
+        assert proxy.counts["503"] == 3
+
+    def test_persistent_part_failures_abort_the_upload(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        proxy.fail_all(after=2, kind="500", match=is_upload_part)
+        with pytest.raises(StorageError, match="failed after 3 attempts") as err:
+            storage.write_file("data/x.bin", [payload(12 * PART)])
+        assert str(err.value).startswith("s3://ckptd-test/run/data/x.bin: upload part ")
+        assert str(err.value).endswith("InternalError (HTTP 500)")
+        assert isinstance(err.value.__cause__, Exception)
+        assert keys(s3_bucket) == []  # no partial object is visible
+        assert uploads_in_progress(s3_bucket) == []  # aborted in line
+
+    def test_outage_leaves_no_object_and_gc_aborts_the_upload(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        proxy.fail_all(after=3, kind="reset")
+        with pytest.raises(StorageError) as err:
+            storage.write_file("data/y.bin", [payload(12 * PART)])
+        message = str(err.value)
+        assert message.startswith("s3://ckptd-test/run/data/y.bin: upload part ")
+        assert "failed after 3 attempts: " in message
+        assert "incomplete upload" in message and "left for `ckptd gc`" in message
+        assert "\n" not in message
+        proxy.heal()
+        assert keys(s3_bucket) == []
+        assert uploads_in_progress(s3_bucket) == ["run/data/y.bin"]
+        assert storage.abort_incomplete_uploads("data") == 1
+        assert uploads_in_progress(s3_bucket) == []
+
+    def test_abort_incomplete_uploads_spares_young_and_foreign_uploads(
+        self, s3_bucket: S3Bucket
+    ) -> None:
+        client = s3_bucket.client()
+        for key in ["run/data/a.bin", "run/data/b.bin", "other/data/c.bin"]:
+            client.create_multipart_upload(Bucket="ckptd-test", Key=key)
+        storage = s3(s3_bucket)
+        assert storage.abort_incomplete_uploads("data", min_age_s=3600) == 0
+        assert storage.abort_incomplete_uploads("data") == 2
+        assert uploads_in_progress(s3_bucket) == ["other/data/c.bin"]
+
+    def test_stalled_requests_time_out_and_are_retried(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        data = payload(6 * PART)
+        s3(s3_bucket).write_file("slow.bin", [data])
+        options = s3_options(proxy.endpoint_url)
+        options["config_kwargs"] = {"read_timeout": 0.3}  # passes through to botocore
+        storage = FsspecStorage(s3_bucket.url, options, transfer=fast_transfer(max_attempts=8))
+        proxy.stall(0.25, seconds=2.0)
+        start = time.monotonic()
+        got = storage.read_ranges("slow.bin", [(i * PART, PART) for i in range(6)])
+        assert got == [data[i * PART : (i + 1) * PART] for i in range(6)]
+        assert time.monotonic() - start < 10
+
+    def test_missing_s3fs_gives_the_install_hint(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setitem(sys.modules, "s3fs", None)
+        with pytest.raises(ImportError, match=r"pip install 'ckptd\[s3\]'"):
+            FsspecStorage("s3://bucket/x", {})
+
+    def test_transfer_settings_are_validated(self) -> None:
+        with pytest.raises(ValueError, match="must be positive"):
+            S3Transfer(part_bytes=0)
