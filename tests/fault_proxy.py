@@ -42,6 +42,9 @@ _ERRORS = {
 }
 
 
+_KINDS = frozenset({"500", "503", "reset", "truncate"})
+
+
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -67,9 +70,12 @@ class FaultProxy:
         self._fail_after: int | None = None
         self._fail_kind = "503"
         self._fail_match: Match | None = None
-        self.counts: Counter[str] = Counter()  # "forwarded", and one key per injected fault kind
+        # "forwarded", "stalled", and one key per injected fault kind
+        self.counts: Counter[str] = Counter()
         self._server = _Server(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def endpoint_url(self) -> str:
@@ -91,7 +97,7 @@ class FaultProxy:
     # -- configuration (any thread) -------------------------------------------------------
 
     def set_faults(self, rate: float, kinds: tuple[str, ...] = ("500", "503", "reset")) -> None:
-        unknown = set(kinds) - {"500", "503", "reset", "truncate"}
+        unknown = set(kinds) - _KINDS
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}")
         with self._lock:
@@ -112,7 +118,7 @@ class FaultProxy:
     @property
     def injected(self) -> int:
         with self._lock:
-            return sum(n for kind, n in self.counts.items() if kind != "forwarded")
+            return sum(n for kind, n in self.counts.items() if kind in _KINDS)
 
     # -- decisions (handler threads) ------------------------------------------------------
 
@@ -120,16 +126,18 @@ class FaultProxy:
         """The fault for this request (None: forward it) and how long to stall it first."""
         with self._lock:
             stall = self._stall_s if self._rng.random() < self._stall_rate else 0.0
+            if stall:
+                self.counts["stalled"] += 1
             if self._fail_after is not None and (self._fail_match is None or self._fail_match(req)):
                 if self._fail_after == 0:
                     self.counts[self._fail_kind] += 1
                     return self._fail_kind, stall
                 self._fail_after -= 1
-            if self._rng.random() < self._rate:
-                kind = self._rng.choice(self._kinds)
-                if kind != "truncate" or req.method == "GET":
-                    self.counts[kind] += 1
-                    return kind, stall
+            kinds = [k for k in self._kinds if k != "truncate" or req.method == "GET"]
+            if self._rng.random() < self._rate and kinds:
+                kind = self._rng.choice(kinds)
+                self.counts[kind] += 1
+                return kind, stall
             self.counts["forwarded"] += 1
             return None, stall
 

@@ -121,7 +121,9 @@ def run(
     can still tell the others so.
     """
     if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("multirank.run() forks: the parent must not initialise torch.distributed")
+        raise RuntimeError(
+            "multirank.run() forks: the parent must not initialise torch.distributed"
+        )
     ctx = mp.get_context("fork")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -184,7 +186,9 @@ def _collect(
                 status, payload = conn.recv()  # type: ignore[union-attr]
             except EOFError:
                 procs[rank].join()
-                failures[rank] = f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                failures[rank] = (
+                    f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                )
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)
@@ -197,7 +201,9 @@ def _collect(
         # in arrival order: the first failure is usually the cause of the others
         parts = [f"--- rank {r} ---\n{text}" for r, text in failures.items()]
         if pending and not failures:
-            head = f"timed out after {timeout:.0f}s; ranks still running: {sorted(pending.values())}"
+            head = (
+                f"timed out after {timeout:.0f}s; ranks still running: {sorted(pending.values())}"
+            )
         elif pending:
             head = f"ranks {sorted(failures)} failed; killed ranks {sorted(pending.values())}"
         else:

@@ -18,8 +18,9 @@ from ckptd.errors import StateMismatch
 from ckptd.regions import Box, copy_region, flat_to_boxes
 from ckptd.sharding import FlatShard, Fused, Shard, describe
 
-settings.register_profile("ckptd", max_examples=200, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ckptd", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile("ckptd")
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
@@ -75,7 +76,7 @@ def test_subtract_gives_disjoint_boxes_covering_exactly_the_difference(
         assert p.numel > 0
         assert a.contains(p)
         covered += mask(shape, p).int()
-    assert int(covered.max(initial=0)) <= 1, "subtract returned overlapping boxes"
+    assert int(covered.max()) <= 1, "subtract returned overlapping boxes"
     assert torch.equal(covered.bool(), mask(shape, a) & ~mask(shape, b))
 
 
@@ -235,7 +236,7 @@ def test_flat_shard_pieces_cover_exactly_the_members_elements_in_its_range(
         viewed += p.box.numel
     for name in want:
         assert torch.equal(got[name] == 1, want[name]), f"{name}: covered {got[name]}"
-        assert int(got[name].max(initial=0)) <= 1
+        assert int(got[name].max()) <= 1
     data_in_range = sum(int(w.sum()) for w in want.values())
     assert viewed == data_in_range, "padding (or a double count) produced a piece"
 
@@ -308,7 +309,13 @@ def test_shard_piece_is_its_box_with_its_replica(
     local = global_values("w", shape)[mask_slices(b)]
     replicas = replica + extra
     (p,) = describe({"w": Shard(local, shape, b.offsets, replica, replicas)}, 0, 1).pieces
-    assert (p.name, p.global_shape, p.box, p.replica, p.replicas) == ("w", shape, b, replica, replicas)
+    assert (p.name, p.global_shape, p.box, p.replica, p.replicas) == (
+        "w",
+        shape,
+        b,
+        replica,
+        replicas,
+    )
     assert p.view is local or torch.equal(p.view, local)
 
 

@@ -8,6 +8,7 @@ the source -> target pair and the logical tensors (or padding buffers) that diff
 
 from __future__ import annotations
 
+import struct
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import transformer_state as ts
 from transformer_state import LAYOUTS, Layout, RankState, build_state
 
 import ckptd
+import ckptd.config
 from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX, Local, describe, local_name
 
@@ -65,8 +67,17 @@ class PieceRecord:
 def rank_pieces(layout: Layout, rank: int, world: int) -> list[PieceRecord]:
     st = build_state(layout, rank, ts.reference())
     return [
-        PieceRecord(rank, p.name, p.global_shape, p.dtype, p.box, p.view.clone(), p.replica,
-                    p.replicas, p.is_writer)
+        PieceRecord(
+            rank,
+            p.name,
+            p.global_shape,
+            p.dtype,
+            p.box,
+            p.view.clone(),
+            p.replica,
+            p.replicas,
+            p.is_writer,
+        )
         for p in describe(st.state, rank, world).pieces
     ]
 
@@ -151,9 +162,12 @@ def test_zero_layouts_pad_the_flat_buffer_tail_and_padding_yields_no_piece(
             pad = buf == ts.SOURCE_PADDING
             padded += int(pad.sum())
             # padding is a suffix of the buffer, and no piece views it
-            assert bool(pad[int((~pad).sum()):].all()), f"{path}: padding is not at the tail"
-            views = [p.view for p in pieces if p.view.untyped_storage().data_ptr()
-                     == buf.untyped_storage().data_ptr()]
+            assert bool(pad[int((~pad).sum()) :].all()), f"{path}: padding is not at the tail"
+            views = [
+                p.view
+                for p in pieces
+                if p.view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            ]
             seen = sum(v.numel() for v in views)
             assert seen == int((~pad).sum()), f"{path}: pieces view {seen} of the data elements"
     assert padded > 0, f"{layout_name}: no flat buffer has tail padding"
@@ -180,23 +194,58 @@ def test_tp_zero_buffers_cut_replicated_norms_at_different_places() -> None:
 # --- save under every layout, load under every layout --------------------------------------
 
 
+# Settings varied across the matrix, so that every layout pair also runs through compressed and
+# multi-frame chunks (partial frame reads) and through the two-pass load that a small load budget
+# forces. Each is (Checkpointer keyword arguments, ckptd.config tunables).
+SAVE_SETTINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "dp2_zero3": ({"compression": "zstd"}, {"frame_bytes": 256}),
+    "tp2_dp2_zero1": ({}, {"frame_bytes": 200}),
+    "dtensor_dp2_tp2": ({"compression": "zstd:3"}, {}),
+    "tp2_dp3_zero3": ({}, {"frame_bytes": 64}),
+}
+LOAD_SETTINGS: dict[str, dict[str, Any]] = {
+    "dp3_zero1": {"load_budget_bytes": 1024},
+    "tp2_pp2_dp2_zero3": {"load_budget_bytes": 4096},
+    "dtensor_dp3": {"load_budget_bytes": 1},
+}
+
+
+def pair(source: str, target: str) -> str:
+    """``source -> target``, with the non-default settings of each side."""
+    saved = {k: v for d in SAVE_SETTINGS.get(source, ({}, {})) for k, v in d.items()}
+    loaded = LOAD_SETTINGS.get(target, {})
+    return f"{source}{f' {saved}' if saved else ''} -> {target}{f' {loaded}' if loaded else ''}"
+
+
 def _save_worker(rank: int, world: int, layout_name: str, root: str) -> list[str]:
     layout = LAYOUTS[layout_name]
+    kwargs, tunables = SAVE_SETTINGS.get(layout_name, ({}, {}))
     ref = ts.reference()
     src = build_state(layout, rank, ref)
-    ck = ckptd.Checkpointer(root, rank=rank, world_size=world)
-    try:
-        result = ck.save(src.state, step=ts.STEP)
-    finally:
-        ck.close()
+    with ckptd.config.override(**tunables):
+        ck = ckptd.Checkpointer(root, rank=rank, world_size=world, **kwargs)
+        try:
+            result = ck.save(src.state, step=ts.STEP)
+        finally:
+            ck.close()
     problems = []
-    if getattr(result, "step", ts.STEP) != ts.STEP:
+    if result.step != ts.STEP:
         problems.append(f"rank {rank}: SaveResult.step {result.step}, want {ts.STEP}")
     untouched = build_state(layout, rank, ref)
     for path, buf in src.buffers.items():
         if not same_bits(buf, untouched.buffers[path]):
             problems.append(f"rank {rank}: save modified {path}")
     return problems
+
+
+def padding_bytes_in(root: Path) -> list[str]:
+    """Files under ``root`` holding the float32 padding value: padding must never be saved."""
+    needle = struct.pack("<f", ts.SOURCE_PADDING)
+    return [
+        str(f.relative_to(root))
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and needle in f.read_bytes()
+    ]
 
 
 def load_problems(
@@ -208,7 +257,9 @@ def load_problems(
     out = []
     wrong: dict[str, int] = defaultdict(int)
     for p in describe(dst.state, rank, layout.world_size).pieces:
-        if not p.name.startswith(LOCAL_PREFIX + "/") and not same_bits(p.view, region(ref[p.name], p.box)):
+        if not p.name.startswith(LOCAL_PREFIX + "/") and not same_bits(
+            p.view, region(ref[p.name], p.box)
+        ):
             wrong[p.name] += int(differing(p.view, region(ref[p.name], p.box)).sum())
     for name, n in sorted(wrong.items()):
         out.append(f"{name}: {n} elements differ from the reference")
@@ -222,8 +273,11 @@ def load_problems(
             out.append(f"{path}: {touched} of {int(pad.sum())} padding elements overwritten")
     rng_want = ts.rng_state(rank) if rank < src_world else torch.zeros_like(ts.rng_state(rank))
     if not same_bits(dst.buffers["rng"], rng_want):
-        out.append(f"Local rng: not what rank {rank} saved" if rank < src_world
-                   else "Local rng: changed although the saved world had no such rank")
+        out.append(
+            f"Local rng: not what rank {rank} saved"
+            if rank < src_world
+            else "Local rng: changed although the saved world had no such rank"
+        )
     data = dst.state["data"]
     data = data.value if isinstance(data, Local) else data
     data_want = ts.data_position(rank) if rank < src_world else ts.BLANK_DATA_POSITION
@@ -252,7 +306,11 @@ def _load_worker(
     for source, root in sources:
         dst = build_state(layout, rank, None)
         try:
-            with ckptd.Checkpointer(root, rank=rank, world_size=world) as ck:
+            tunables = LOAD_SETTINGS.get(target, {})
+            with (
+                ckptd.config.override(**tunables),
+                ckptd.Checkpointer(root, rank=rank, world_size=world) as ck,
+            ):
                 result = ck.load(dst.state, strict=True)
             out[source] = load_problems(source, layout, rank, dst, expected, result)
             status = "ok"
@@ -277,10 +335,16 @@ class Saves:
             root = str(self.base / name)
             try:
                 per_rank = multirank.run(
-                    _save_worker, LAYOUTS[name].world_size, name, root,
-                    timeout=RUN_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S,
+                    _save_worker,
+                    LAYOUTS[name].world_size,
+                    name,
+                    root,
+                    timeout=RUN_TIMEOUT_S,
+                    pg_timeout=PG_TIMEOUT_S,
                 )
                 problems = [line for lines in per_rank for line in lines]
+                if not SAVE_SETTINGS.get(name, ({}, {}))[0].get("compression"):
+                    problems += [f"padding saved in {f}" for f in padding_bytes_in(Path(root))]
             except multirank.RankFailed as e:
                 problems = [f"save raised: {e}"]
             self.done[name] = (root, problems)
@@ -307,17 +371,21 @@ def test_every_saved_layout_loads_bit_exact_with_padding_untouched_into(
     for source in LAYOUT_NAMES:
         root, save_problems = saves.get(source)
         if save_problems:
-            problems.append(f"{source} -> {target}: not checked, the save failed")
+            problems.append(f"{pair(source, target)}: not checked, the save failed")
         else:
             remaining.append((source, root))
     while remaining:
         try:
             per_rank = multirank.run(
-                _load_worker, LAYOUTS[target].world_size, target, remaining,
-                timeout=RUN_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S,
+                _load_worker,
+                LAYOUTS[target].world_size,
+                target,
+                remaining,
+                timeout=RUN_TIMEOUT_S,
+                pg_timeout=PG_TIMEOUT_S,
             )
         except multirank.RankFailed as e:  # a crash or a hang: blame the first unchecked source
-            problems.append(f"{remaining[0][0]} -> {target}: {e}")
+            problems.append(f"{pair(remaining[0][0], target)}: {e}")
             remaining = remaining[1:]
             continue
         by_source: dict[str, list[str]] = defaultdict(list)
@@ -325,7 +393,7 @@ def test_every_saved_layout_loads_bit_exact_with_padding_untouched_into(
             for source, lines in results.items():
                 by_source[source] += lines
         for source, lines in by_source.items():
-            problems += [f"{source} -> {target}: {line}" for line in lines]
+            problems += [f"{pair(source, target)}: {line}" for line in lines]
         stopped = per_rank[0][1]
         done = [s for s, _ in remaining].index(stopped) + 1 if stopped else len(remaining)
         remaining = remaining[done:]

@@ -84,7 +84,9 @@ LAYOUTS: dict[str, Layout] = {
         Layout("tp2_pp2", tp=2, pp=2),
         Layout("dp2_tp2_pp2", dp=2, tp=2, pp=2),
         Layout("tp2_pp2_dp2_zero3", dp=2, tp=2, pp=2, zero=3),
+        Layout("tp2_dp3_zero3", dp=3, tp=2, zero=3, buckets=3),
         Layout("dtensor_dp2_tp2", dp=2, tp=2, dtensor=True),
+        Layout("dtensor_dp3", dp=3, dtensor=True),
     ]
 }
 
@@ -105,13 +107,21 @@ def _params() -> list[Param]:
         out += [
             Param(f"{pre}.attn_norm.weight", (HIDDEN,), "replicated", i),
             *(
-                Param(f"{pre}.attn.{x}.weight", (HIDDEN, HIDDEN), "column", i, f"{pre}.attn.qkv.weight")
+                Param(
+                    f"{pre}.attn.{x}.weight",
+                    (HIDDEN, HIDDEN),
+                    "column",
+                    i,
+                    f"{pre}.attn.qkv.weight",
+                )
                 for x in "qkv"
             ),
             Param(f"{pre}.attn.o.weight", (HIDDEN, HIDDEN), "row", i),
             Param(f"{pre}.mlp_norm.weight", (HIDDEN,), "replicated", i),
             *(
-                Param(f"{pre}.mlp.{x}.weight", (FFN, HIDDEN), "column", i, f"{pre}.mlp.gate_up.weight")
+                Param(
+                    f"{pre}.mlp.{x}.weight", (FFN, HIDDEN), "column", i, f"{pre}.mlp.gate_up.weight"
+                )
                 for x in ("gate", "up")
             ),
             Param(f"{pre}.mlp.down.weight", (HIDDEN, FFN), "row", i),
@@ -323,6 +333,7 @@ class _Builder:
 
 
 # --- DTensor layouts ----------------------------------------------------------------------------
+
 
 # Placements on the (dp, tp) mesh, by TP split kind; some are uneven (13 vocab rows over 2) and
 # some shard on both mesh dims (FSDP2 + TP). Norms are replicated on both.

@@ -316,7 +316,7 @@ class _Search:
                     continue
                 if best is None or (distance, zero) < (best.distance, best.zero):
                     best = _Candidate(distance, zero, micro, accum, state + activations)
-            if best is not None and best.distance == 0:
+            if best is not None and best.distance == 0 and best.zero == lowest_stage:
                 break  # nothing later can beat an exact hit at the lowest stage
         return best
 

@@ -1,0 +1,31 @@
+"""Every ```python block of the README and docs/ runs (in a temporary working directory)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+CASES = [
+    pytest.param(code, id=f"{path.name}:{i}")
+    for path in DOCS
+    for i, code in enumerate(BLOCK.findall(path.read_text()))
+]
+
+
+@pytest.mark.parametrize("code", CASES)
+def test_documentation_example_runs(code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    import ckptd
+
+    try:
+        exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
+    finally:
+        if ckptd.api._default is not None:
+            ckptd.api._default.close()
+            ckptd.api._default = None
