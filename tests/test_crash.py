@@ -23,6 +23,7 @@ def _state(step: int) -> dict:
 
 
 def _child(root: str, step: int, kill_at: int) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     with config.override(min_file_bytes=1 << 14):
         c = ckptd.Checkpointer(root, run_id=f"run-{step}", storage=KillAtOp(root, kill_at),
                                threads=2, keep_last=2)

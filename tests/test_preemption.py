@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import statistics
 import threading
@@ -32,7 +33,10 @@ from ckptd.elastic import (
 )
 from ckptd.elastic import preemption as preemption_module
 
-CTX = mp.get_context("fork")
+# forkserver: children are forked from a clean single-threaded server that has imported torch
+# once, so they start fast and never inherit this process's threads (which fork would).
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "torch.distributed", "ckptd.elastic"])
 TIMEOUT_S = 60.0
 
 # --------------------------------------------------------------------------- one process
@@ -171,7 +175,7 @@ def _agreement_worker(
 ) -> None:
     _init_gloo(rank, world, port_q.get(timeout=TIMEOUT_S))
     callbacks: list[int] = []
-    on_preemption(lambda: callbacks.append(1), grace_s=30.0)
+    watch = on_preemption(lambda: callbacks.append(1), grace_s=30.0)
     x = torch.ones(64)
     result: tuple[Any, ...] = ("no preemption", rank)
     for i in range(1, MAX_ITERATIONS + 1):
@@ -181,7 +185,7 @@ def _agreement_worker(
                 "preempted",
                 rank,
                 i,
-                preemption_module._state.signal_time is not None,
+                watch.signal_time is not None,
                 len(callbacks),
                 remaining_grace_s(),
             )
@@ -192,34 +196,48 @@ def _agreement_worker(
     dist.destroy_process_group()
 
 
-def _start(
-    target: Any, world: int, extra: tuple[Any, ...]
-) -> tuple[list[Any], Queue[tuple[Any, ...]], dist.TCPStore]:
-    port_q: Queue[int] = CTX.Queue()
-    out_q: Queue[tuple[Any, ...]] = CTX.Queue()
-    procs = [
-        CTX.Process(target=target, args=(rank, world, *extra, port_q, out_q), daemon=True)
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    # The store server lives in this process, created after the fork, on a port the kernel
-    # picks (port 0), so concurrent test runs cannot collide on it.
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=TIMEOUT_S), False)
-    for _ in procs:
-        port_q.put(store.port)
-    return procs, out_q, store
+class _Ranks:
+    """Worker processes on gloo, with the rendezvous store hosted by this process."""
 
+    def __init__(self, target: Any, world: int, extra: tuple[Any, ...]) -> None:
+        self.port_q: Queue[int] = CTX.Queue()
+        self.out_q: Queue[tuple[Any, ...]] = CTX.Queue()
+        self.procs = [
+            CTX.Process(
+                target=target,
+                args=(rank, world, *extra, self.port_q, self.out_q),
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        # The store server lives here, on a port the kernel picks (port 0), so concurrent test
+        # runs cannot collide on it; the workers learn the port from the queue.
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=TIMEOUT_S), False)
+        for _ in self.procs:
+            self.port_q.put(self.store.port)
 
-def _finish(procs: list[Any]) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert alive == [], "workers hung"
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+    def receive(self) -> tuple[Any, ...]:
+        """The next worker message; fails at once if a worker died instead of answering."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                return self.out_q.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+                assert dead == [], f"a worker exited with {dead}"
+        raise AssertionError(f"no worker message within {TIMEOUT_S} s")
+
+    def finish(self) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        alive = [p for p in self.procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert alive == [], "workers hung"
+        assert [p.exitcode for p in self.procs] == [0] * len(self.procs)
 
 
 @pytest.mark.parametrize(
@@ -230,18 +248,18 @@ def _finish(procs: list[Any]) -> None:
 def test_sigterm_to_one_rank_is_seen_by_every_rank_at_the_same_iteration(
     world: int, target_rank: int, every: int
 ) -> None:
-    procs, out_q, _store = _start(_agreement_worker, world, (every,))
+    ranks = _Ranks(_agreement_worker, world, (every,))
     try:
         pids: dict[int, int] = {}
         while len(pids) < world:
-            kind, rank, pid = out_q.get(timeout=TIMEOUT_S)
+            kind, rank, pid = ranks.receive()
             assert kind == "looping", (kind, rank, pid)
             pids[rank] = pid
         # Every rank is past SYNC_ITERATION calls of preempted(); signal one of them.
         os.kill(pids[target_rank], signal.SIGTERM)
-        results = sorted((out_q.get(timeout=TIMEOUT_S) for _ in range(world)), key=lambda r: r[1])
+        results = sorted((ranks.receive() for _ in range(world)), key=lambda r: r[1])
     finally:
-        _finish(procs)
+        ranks.finish()
     assert [r[0] for r in results] == ["preempted"] * world, results
     iterations = {r[2] for r in results}
     assert len(iterations) == 1, results
@@ -282,12 +300,12 @@ def _cost_worker(
 @pytest.mark.parametrize("world", [2, 4])
 def test_measure_preempted_cost_per_call(world: int) -> None:
     """Not a timing assertion beyond a sanity bound: prints the median cost per call."""
-    procs, out_q, _store = _start(_cost_worker, world, (4000,))
+    ranks = _Ranks(_cost_worker, world, (4000,))
     try:
-        results = [out_q.get(timeout=TIMEOUT_S) for _ in range(world)]
+        results = [ranks.receive() for _ in range(world)]
     finally:
-        _finish(procs)
+        ranks.finish()
     medians = sorted(r[2] / 1000 for r in results)
     every_8 = sorted(r[3] / 1000 for r in results)
-    print(f"\npreempted() on {world} gloo ranks: median per rank {medians} µs; every=8 mean {every_8} µs")
+    print(f"\npreempted() on {world} gloo ranks: median {medians} µs; every=8 mean {every_8} µs")
     assert max(medians) < 5000.0

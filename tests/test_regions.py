@@ -18,10 +18,8 @@ from ckptd.errors import StateMismatch
 from ckptd.regions import Box, copy_region, flat_to_boxes
 from ckptd.sharding import FlatShard, Fused, Shard, describe
 
-settings.register_profile(
-    "ckptd", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.load_profile("ckptd")
+# local settings (a profile would leak into every other module's hypothesis tests)
+examples = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 
@@ -51,6 +49,7 @@ def mask(shape: tuple[int, ...], box: Box) -> torch.Tensor:
 # --- Box -----------------------------------------------------------------------------------
 
 
+@examples
 @given(shape_and_boxes(2))
 def test_intersect_is_exactly_the_common_elements(sab: tuple[Any, ...]) -> None:
     shape, a, b = sab
@@ -64,6 +63,7 @@ def test_intersect_is_exactly_the_common_elements(sab: tuple[Any, ...]) -> None:
         assert b.intersect(a) == got
 
 
+@examples
 @given(shape_and_boxes(2))
 def test_subtract_gives_disjoint_boxes_covering_exactly_the_difference(
     sab: tuple[Any, ...],
@@ -80,6 +80,7 @@ def test_subtract_gives_disjoint_boxes_covering_exactly_the_difference(
     assert torch.equal(covered.bool(), mask(shape, a) & ~mask(shape, b))
 
 
+@examples
 @given(shape_and_boxes(2, nonempty=True))
 def test_contains_means_every_element_is_inside(sab: tuple[Any, ...]) -> None:
     shape, a, b = sab
@@ -87,6 +88,7 @@ def test_contains_means_every_element_is_inside(sab: tuple[Any, ...]) -> None:
     assert a.contains(b) == inside
 
 
+@examples
 @given(shape_and_boxes(2, nonempty=True))
 def test_within_indexes_the_box_inside_a_tensor_holding_the_outer_box(
     sab: tuple[Any, ...],
@@ -104,6 +106,7 @@ def mask_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
 
 
+@examples
 @given(shape_and_boxes(1), st.lists(st.integers(0, 3), min_size=3, max_size=3))
 def test_shift_and_json_round_trip(sab: tuple[Any, ...], by: list[int]) -> None:
     _, a = sab
@@ -133,6 +136,7 @@ def flat_range(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
     return shape, start, stop
 
 
+@examples
 @given(flat_range())
 def test_flat_to_boxes_are_contiguous_in_order_and_cover_exactly_the_range(
     r: tuple[tuple[int, ...], int, int],
@@ -158,6 +162,7 @@ def test_flat_to_boxes_rejects_ranges_outside_the_tensor(start: int, stop: int) 
 # --- copy_region ---------------------------------------------------------------------------
 
 
+@examples
 @given(shape_and_boxes(2, nonempty=True))
 def test_copy_region_moves_exactly_the_overlap(sab: tuple[Any, ...]) -> None:
     shape, src_box, dst_box = sab
@@ -204,6 +209,7 @@ def member_box(m: tuple[Any, ...]) -> Box:
     return Box(tuple(m[2]), tuple(m[3])) if len(m) == 4 else Box.whole(tuple(m[1]))
 
 
+@examples
 @given(flat_buffer())
 def test_flat_shard_pieces_cover_exactly_the_members_elements_in_its_range(
     fb: tuple[list[tuple[Any, ...]], int, int, int],
@@ -286,6 +292,7 @@ def fused_parts(draw: st.DrawFn) -> tuple[int, list[tuple[str, tuple[int, ...], 
     return dim, parts
 
 
+@examples
 @given(fused_parts())
 def test_fused_pieces_are_the_parts_concatenated_along_dim(
     fp: tuple[int, list[tuple[str, tuple[int, ...], Box]]],
@@ -301,6 +308,7 @@ def test_fused_pieces_are_the_parts_concatenated_along_dim(
         assert p.view.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
 
+@examples
 @given(shape_and_boxes(1, nonempty=True), st.integers(0, 3), st.integers(1, 4))
 def test_shard_piece_is_its_box_with_its_replica(
     sab: tuple[Any, ...], replica: int, extra: int
@@ -319,6 +327,7 @@ def test_shard_piece_is_its_box_with_its_replica(
     assert p.view is local or torch.equal(p.view, local)
 
 
+@examples
 @given(st.integers(1, 8), st.data())
 def test_plain_tensor_is_replicated_and_exactly_one_rank_writes_it(
     world: int, data: st.DataObject

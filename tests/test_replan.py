@@ -284,9 +284,7 @@ def test_tie_on_distance_goes_to_the_lower_zero_stage_whatever_the_order_given()
     # stage (1) wins the tie although stage 3 is found first.
     model = ModelSpec(64, 1, 10**6)
     previous = TrainingSpec(1, 10, 1, 1, 128)
-    plan = replan(
-        model, previous, 5, mem_limit_gib=100, max_micro_batch_size=2, zero_stages=(3, 1)
-    )
+    plan = replan(model, previous, 5, mem_limit_gib=100, max_micro_batch_size=2, zero_stages=(3, 1))
     t = plan.training
     assert (t.zero_stage, t.micro_batch_size, t.gradient_accumulation_steps) == (1, 2, 1)
 

@@ -8,6 +8,7 @@ the source -> target pair and the logical tensors (or padding buffers) that diff
 
 from __future__ import annotations
 
+import math
 import struct
 import traceback
 from collections import defaultdict
@@ -173,6 +174,17 @@ def test_zero_layouts_pad_the_flat_buffer_tail_and_padding_yields_no_piece(
     assert padded > 0, f"{layout_name}: no flat buffer has tail padding"
 
 
+def test_dp3_zero1_splits_a_buffer_whose_length_is_not_divisible_by_three() -> None:
+    layout = LAYOUTS["dp3_zero1"]
+    data = sum(math.prod(p.shape) for p in ts.PARAMS)
+    assert data % 3 != 0
+    shards = [
+        build_state(layout, r, ts.reference()).buffers["optim/exp_avg/flat"] for r in range(3)
+    ]
+    assert len({s.numel() for s in shards}) == 1, "DP shards of one buffer have equal lengths"
+    assert sum(int((s != ts.SOURCE_PADDING).sum()) for s in shards) == data
+
+
 def test_tp_zero_buffers_cut_replicated_norms_at_different_places() -> None:
     """tp2_dp2_zero1: the norm regions held by the ranks overlap only partially."""
     layout = LAYOUTS["tp2_dp2_zero1"]
@@ -189,6 +201,13 @@ def test_tp_zero_buffers_cut_replicated_norms_at_different_places() -> None:
     assert any(a.intersect(b) not in (None, a, b) for a in boxes for b in boxes), sorted(
         boxes, key=str
     )
+
+
+def test_col_major_layout_holds_non_contiguous_leaves() -> None:
+    st = build_state(LAYOUTS["dp2_tp2_col_major"], 3, ts.reference())
+    model = st.state["model"]
+    assert not model["layers.0.attn.o.weight"].local.is_contiguous()
+    assert not model["layers.1.mlp.gate_up.weight"].local.is_contiguous()
 
 
 # --- save under every layout, load under every layout --------------------------------------
@@ -421,6 +440,14 @@ def _hang_on_rank_zero(rank: int, world: int) -> int:
     return rank
 
 
+def _die_on_rank_one(rank: int, world: int) -> int:
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
 def _sum_ranks(rank: int, world: int, base: int) -> tuple[int, list[str]]:
     import torch.distributed as dist
 
@@ -446,3 +473,9 @@ def test_harness_kills_ranks_that_outlive_the_timeout() -> None:
     with pytest.raises(multirank.RankFailed) as info:
         multirank.run(_hang_on_rank_zero, 2, timeout=1)
     assert "timed out after 1s; ranks still running: [0, 1]" in str(info.value)
+
+
+def test_harness_reports_a_rank_that_died_without_a_traceback() -> None:
+    with pytest.raises(multirank.RankFailed) as info:
+        multirank.run(_die_on_rank_one, 2, timeout=60)
+    assert info.value.failures == {1: "rank 1 died without reporting (exit code 3)"}

@@ -56,6 +56,8 @@ class Layout:
     dict_members: bool = False  # FlatShard members as a {name: shape} dict (needs tp == 1)
     dtensor: bool = False  # every tensor a DTensor on a (dp, tp) mesh; needs a process group
     flat_align: int = 16  # each DP shard of a flat buffer is a multiple of this many elements
+    col_major: bool = False  # 2-d weights stored transposed (GPT-2 Conv1D style): leaves are
+    # non-contiguous views, so saving stages and loading copies through strided views
 
     @property
     def world_size(self) -> int:
@@ -81,6 +83,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("tp2", tp=2),
         Layout("pp2", pp=2),
         Layout("dp2_tp2", dp=2, tp=2),
+        Layout("dp2_tp2_col_major", dp=2, tp=2, col_major=True),
         Layout("tp2_pp2", tp=2, pp=2),
         Layout("dp2_tp2_pp2", dp=2, tp=2, pp=2),
         Layout("tp2_pp2_dp2_zero3", dp=2, tp=2, pp=2, zero=3),
@@ -174,9 +177,8 @@ def tp_box(p: Param, tp: int, t: int) -> tuple[Box, tuple[int, ...]]:
     """The box of ``p`` TP rank ``t`` holds, and the shape of its local tensor (padding included:
     the valid part is the leading ``box.sizes`` of it)."""
     rows, cols = (p.shape + (1,))[:2]
-    if tp == 1 or p.split == "replicated":
-        if p.split != "vocab":
-            return Box.whole(p.shape), p.shape
+    if p.split == "replicated" or (tp == 1 and p.split != "vocab"):
+        return Box.whole(p.shape), p.shape
     if p.split == "vocab":
         per = math.ceil(VOCAB / (VOCAB_DIVISIBLE_BY * tp)) * VOCAB_DIVISIBLE_BY
         lo, hi = min(t * per, rows), min((t + 1) * per, rows)
@@ -257,6 +259,10 @@ class _Builder:
             return torch.full(box.sizes, SENTINEL)
         return self.reference[name][box.within(Box.whole(tuple(self.reference[name].shape)))]
 
+    def storage_order(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or under ``col_major`` the same values in a transposed storage."""
+        return t.t().contiguous().t() if self.layout.col_major and t.dim() == 2 else t
+
     def local(self, name: str, p: Param) -> tuple[torch.Tensor, Box]:
         """A fresh padded local tensor for TP rank ``t`` and the box its leading part holds."""
         box, local_shape = tp_box(p, self.layout.tp, self.t)
@@ -275,6 +281,8 @@ class _Builder:
                 continue
             name = f"{prefix}/{p.fqn}"
             local, box = self.local(name, p)
+            if p.split in ("row", "column"):
+                local = self.storage_order(local)
             self.buffers[name] = local
             if p.split == "vocab":
                 valid = local.narrow(0, 0, box.sizes[0])
@@ -294,7 +302,7 @@ class _Builder:
                 local, box = self.local(name, p)
                 locals_.append(local)
                 parts.append((p.fqn, p.shape, box.offsets, box.sizes))
-            local = torch.cat(locals_, dim=0)
+            local = self.storage_order(torch.cat(locals_, dim=0))
             self.buffers[f"{prefix}/{key}"] = local
             container[key] = Fused(local, 0, parts, dp_rank, lay.dp)
 

@@ -62,7 +62,6 @@ class _State:
 
 
 _state = _State()
-_buffers: dict[Any, Any] = {}  # torch.device -> the reused one-element float64 tensor
 
 
 def _handle_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -152,9 +151,11 @@ def preempted(*, every: int = 1, group: Any = None) -> bool:
 
     Call it at a safe point (after each micro-batch) on every rank, in the same order as any
     other collective. When ``torch.distributed`` is initialised with more than one rank, it does
-    one all-reduce (MAX) of a reused one-element tensor over ``group`` (default: the world) in
-    the caller's thread; without it, it returns the local flag. Once True it stays True and
-    stops communicating.
+    one all-reduce (MAX) of a reused one-element CPU tensor over ``group`` (default: the world)
+    in the caller's thread; without it, it returns the local flag. Once True it stays True and
+    stops communicating. When the default group is pure NCCL, the first call creates a gloo side
+    group (collectively, on every rank) so that no call waits for the GPU; a ``group`` passed
+    in must be able to all-reduce CPU tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` group).
 
     ``every=N`` all-reduces only on every N-th call (counted since :func:`on_preemption`) and
     otherwise returns the last agreed answer, so ranks still agree on the same call provided
@@ -168,15 +169,15 @@ def preempted(*, every: int = 1, group: Any = None) -> bool:
         return True
     if every < 1:
         raise PreemptionError(f"every must be >= 1, got {every!r}")
-    world = _distributed_world(group)
-    if world <= 1:
+    channel = _channel(group)
+    if channel is None:
         if _state.signal_time is not None:
             _agree(_state.signal_time + _state.grace_s)
         return _state.agreed
     _state.calls += 1
     if _state.calls % every:
         return False
-    deadline = _all_reduce_deadline(group)
+    deadline = _all_reduce_deadline(channel)
     if deadline is not None:
         _agree(deadline)
     return _state.agreed
@@ -207,34 +208,57 @@ def remaining_grace_s() -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _distributed_world(group: Any) -> int:
+@dataclasses.dataclass(frozen=True)
+class _Channel:
+    """What one group's agreement all-reduce uses, set up once per group."""
+
+    group: Any  # the group the flag is all-reduced over (a gloo side group under pure NCCL)
+    world_size: int
+    buf: Any  # torch.Tensor: one float64 element, reused by every call
+
+
+_channels: dict[Any, _Channel] = {}  # process group object -> its channel
+
+
+def _channel(group: Any) -> _Channel | None:
+    """The channel for ``group``, or None when there is nothing to agree with."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
+        return None
+    key = dist.GroupMember.WORLD if group is None else group
+    channel = _channels.get(key)
+    if channel is None:
+        channel = _channels[key] = _open_channel(group)
+    return channel if channel.world_size > 1 else None
 
 
-def _all_reduce_deadline(group: Any) -> float | None:
+def _open_channel(group: Any) -> _Channel:
     import torch
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    buf = _buffers.get(device)
-    if buf is None:
-        buf = _buffers[device] = torch.zeros(1, dtype=torch.float64, device=device)
+    world_size = int(dist.get_world_size(group))
+    comm = group
+    if group is None and world_size > 1 and str(dist.get_backend()) == "nccl":
+        # A CUDA tensor would make every call wait for the GPU stream (.item() synchronises),
+        # a bubble per micro-batch; a gloo side group keeps the flag on the CPU. new_group is
+        # itself collective: every rank gets here at the same (first) preempted() call.
+        comm = dist.new_group(backend="gloo")
+    return _Channel(comm, world_size, torch.zeros(1, dtype=torch.float64))
+
+
+def _all_reduce_deadline(channel: _Channel) -> float | None:
+    import torch.distributed as dist
+
+    buf = channel.buf
     now = time.monotonic()
     if _state.signal_time is None:
         buf.fill_(0.0)
     else:
         remaining = _state.signal_time + _state.grace_s - now
         buf.fill_(_OFFSET - min(remaining, _OFFSET / 2))  # an infinite grace stays > 0
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=channel.group)
     value = float(buf.item())
     if value <= 0.0:
         return None
-    return now + (_OFFSET - value)
+    return grace_deadline() or 0.0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ckptd import config
-from ckptd.errors import CkptdError, CorruptCheckpoint, StateMismatch
+from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
 from ckptd.regions import copy_region
 from ckptd.reshard.plan import Read, ReadPlan, plan_reads, source_view
@@ -150,7 +150,7 @@ def load_into(
             for batch in _batches(plan.reads, budget):  # verify-only pass
                 fetch(storage, step_dir, batch, pool)
         nbytes += plan.stored_bytes
-    except CkptdError as e:
+    except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or peers hang
         error = e
     _agree(error)
     if kept:

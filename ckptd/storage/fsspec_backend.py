@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import posixpath
 import uuid
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,17 @@ class S3Transfer:
         if min(self.part_bytes, self.concurrency, self.max_attempts) <= 0:
             raise ValueError(f"S3Transfer: sizes and counts must be positive: {self}")
 
+    @classmethod
+    def from_env(cls) -> S3Transfer:
+        """Defaults, overridden by ``CKPTD_S3_<FIELD>`` environment variables (upper case), the
+        same convention as :mod:`ckptd.config`; used when no ``transfer`` is given."""
+        changes: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = os.environ.get(f"CKPTD_S3_{field.name.upper()}")
+            if raw is not None:
+                changes[field.name] = float(raw) if field.type == "float" else int(raw)
+        return cls(**changes)
+
 
 class FsspecStorage:
     """A checkpoint root at an fsspec URL. Thread-safe.
@@ -79,7 +91,7 @@ class FsspecStorage:
             raise ValueError(f"not an fsspec URL (expected protocol://...): {url!r}")
         self.url = url.rstrip("/")
         self.protocol = self.url.split("://", 1)[0]
-        self.transfer = transfer or S3Transfer()
+        self.transfer = transfer or S3Transfer.from_env()
         options = dict(storage_options or {})
         self._s3: S3Objects | None = None
         if self.protocol in _S3_PROTOCOLS:
@@ -87,7 +99,8 @@ class FsspecStorage:
                 import s3fs  # noqa: F401  (fails early, with the hint, instead of inside fsspec)
             except ImportError as e:
                 raise ImportError(f"{self.url}: S3 needs s3fs: pip install 'ckptd[s3]'") from e
-            from ckptd.storage.s3 import S3Objects, client_config
+            from ckptd.storage.s3 import S3Objects
+            from ckptd.storage.s3_retry import client_config
 
             options["config_kwargs"] = client_config(options.get("config_kwargs"), self.transfer)
             fs = fsspec.filesystem(self.protocol, **options)

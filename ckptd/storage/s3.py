@@ -6,15 +6,14 @@ loop; callers are ordinary threads. The policy lives here, once per concern:
 
 - **Writes** (:meth:`S3Objects.write_file`) stream the caller's buffers into parts of
   ``part_bytes`` (copied, so a caller may reuse a buffer after yielding it) and upload up to
-  ``concurrency`` parts at a time. An object that fits in one part is a single PUT. On failure the
-  in-flight parts are cancelled and the upload is aborted; if even the abort fails (S3
-  unreachable), :meth:`S3Objects.abort_incomplete_uploads` (``ckptd gc``) removes it later.
+  ``concurrency`` parts at a time. An object that fits in one part is a single PUT. On failure,
+  parts not yet sent are dropped, the ones in flight are waited for, and the upload is aborted;
+  if even the abort fails (S3 unreachable), :meth:`S3Objects.abort_incomplete_uploads`
+  (``ckptd gc``) removes it later. Nothing is visible under the key until Complete succeeds.
 - **Atomic puts** are a single PUT: S3 objects appear whole or not at all; there is no rename.
 - **Reads** split ranges larger than ``part_bytes`` and issue ranged GETs concurrently.
-- **Retries**: every request, including reading a response body, is retried on throttling
-  (503 SlowDown, 429), other 5xx, request timeouts and connection errors, with exponential backoff
-  and full jitter, bounded by ``max_attempts`` and ``max_delay_s``. botocore's own retries are
-  switched off (see :func:`client_config`) so that attempts do not multiply.
+- **Retries**: every request, including reading its response body, goes through one loop
+  (:meth:`S3Objects._retrying`) with the policy of :mod:`ckptd.storage.s3_retry`.
 """
 
 from __future__ import annotations
@@ -29,40 +28,24 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiohttp
-import botocore.exceptions
-
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer
+from ckptd.storage.s3_retry import (
+    NOT_FOUND_CODES,
+    STORAGE_EXCEPTIONS,
+    code,
+    delay_s,
+    reason,
+    retryable,
+)
 
 if TYPE_CHECKING:
     from ckptd.storage.fsspec_backend import S3Transfer
 
 T = TypeVar("T")
 
-_RETRY_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-     "InternalError", "ServiceUnavailable", "XAmzContentSHA256Mismatch"}
-)
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_RETRY_EXCEPTIONS: tuple[type[BaseException], ...] = (
-    botocore.exceptions.HTTPClientError,  # connection closed/reset, read timeout, streaming error
-    botocore.exceptions.ConnectionError,  # endpoint connection / connect timeout
-    botocore.exceptions.IncompleteReadError,
-    aiohttp.ClientError,  # payload errors and disconnects raised outside botocore's wrappers
-    ConnectionError,
-    TimeoutError,
-)
 _S3_MAX_PARTS = 10_000
 _S3_MAX_PART_BYTES = 5 << 30
-
-
-def client_config(config_kwargs: dict[str, Any] | None, transfer: S3Transfer) -> dict[str, Any]:
-    """s3fs ``config_kwargs`` for ckptd: one retry policy (ours), a pool as wide as our fan-out."""
-    out = dict(config_kwargs or {})
-    out["retries"] = {"total_max_attempts": 1}
-    out["max_pool_connections"] = max(int(out.get("max_pool_connections", 0)), transfer.concurrency)
-    return out
 
 
 def part_size(part_number: int, base: int) -> int:
@@ -110,7 +93,6 @@ class S3Objects:
         self._fs = fs
         self.bucket = bucket
         self.transfer = transfer
-        self._loop: asyncio.AbstractEventLoop = fs.loop
         self._requests = asyncio.Semaphore(transfer.concurrency)
         self._part_slots = threading.BoundedSemaphore(transfer.concurrency)
         self._rng = random.Random()
@@ -119,6 +101,12 @@ class S3Objects:
         return f"s3://{self.bucket}/{key}"
 
     # -- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        # fsspec's I/O thread; the property raises (rather than hangs) in a forked child
+        loop: asyncio.AbstractEventLoop = self._fs.loop
+        return loop
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -137,17 +125,16 @@ class S3Objects:
             try:
                 async with self._requests:
                     return await request(_WithDefaults(client, self._fs))
-            except Exception as e:
-                if _code(e) in _NOT_FOUND_CODES:
+            except STORAGE_EXCEPTIONS as e:  # anything else is a bug: let it through as is
+                if code(e) in NOT_FOUND_CODES:
                     raise FileNotFoundError(errno.ENOENT, "no such object", self.url(key)) from e
-                if not _retryable(e):
-                    raise StorageError(f"{self.url(key)}: {action} failed: {_reason(e)}") from e
+                if not retryable(e):
+                    raise StorageError(f"{self.url(key)}: {action} failed: {reason(e)}") from e
                 if attempt == self.transfer.max_attempts:
                     raise StorageError(
-                        f"{self.url(key)}: {action} failed after {attempt} attempts: {_reason(e)}"
+                        f"{self.url(key)}: {action} failed after {attempt} attempts: {reason(e)}"
                     ) from e
-            cap = min(self.transfer.max_delay_s, self.transfer.base_delay_s * 2 ** (attempt - 1))
-            await asyncio.sleep(self._rng.uniform(0.0, cap))  # full jitter
+            await asyncio.sleep(delay_s(attempt, self.transfer, self._rng))
         raise AssertionError("unreachable")
 
     # -- writes --------------------------------------------------------------------------------
@@ -241,7 +228,7 @@ class S3Objects:
             )
         except StorageError as e:
             # A retried Complete whose first response was lost finds the upload already gone.
-            if _code(e.__cause__) != "NoSuchUpload":
+            if code(e.__cause__) != "NoSuchUpload":
                 raise
             head = await self._call("head_object", key, "HEAD", Bucket=self.bucket, Key=key)
             if head["ContentLength"] != total:
@@ -262,7 +249,7 @@ class S3Objects:
                 UploadId=upload_id,
             )
         except StorageError as e:
-            if _code(e.__cause__) != "NoSuchUpload":
+            if code(e.__cause__) != "NoSuchUpload":
                 raise
 
     def abort_incomplete_uploads(self, prefix: str, min_age_s: float = 0.0) -> int:
@@ -316,7 +303,7 @@ class S3Objects:
         try:
             data = await self._retrying(get, key, action)
         except StorageError as e:
-            if _code(e.__cause__) == "InvalidRange" and rng is not None:
+            if code(e.__cause__) == "InvalidRange" and rng is not None:
                 raise EOFError(f"{self.url(key)}: range {rng[0]}+{rng[1]} beyond the end") from e
             raise
         if rng is not None and len(data) != rng[1]:
@@ -412,7 +399,7 @@ class _WithDefaults:
         method = getattr(self._client, op)
 
         def call(**kwargs: Any) -> Awaitable[Any]:
-            return method(**self._fs._get_s3_method_kwargs(method, **kwargs))  # type: ignore[no-any-return]
+            return method(**self._fs._get_s3_method_kwargs(method, **kwargs))  # type: ignore
 
         return call
 
@@ -434,31 +421,3 @@ async def _all_or_cancel(coros: Sequence[Awaitable[T]]) -> list[T]:
 
 def _dir_prefix(key: str) -> str:
     return f"{key}/" if key else ""
-
-
-def _code(e: BaseException | None) -> str:
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return ""
-    return str(response.get("Error", {}).get("Code", ""))
-
-
-def _status(e: BaseException) -> int:
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return 0
-    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-
-
-def _retryable(e: BaseException) -> bool:
-    if isinstance(e, botocore.exceptions.ClientError):
-        status = _status(e)
-        return status >= 500 or status == 429 or _code(e) in _RETRY_CODES
-    return isinstance(e, _RETRY_EXCEPTIONS)
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, botocore.exceptions.ClientError):
-        return f"{_code(e)} (HTTP {_status(e)})"
-    text = " ".join(str(e).split()) or "no detail"
-    return f"{type(e).__name__}: {text}"[:300]
