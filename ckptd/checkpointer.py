@@ -17,24 +17,23 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ckptd import config
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
-from ckptd.manifest import Manifest, TensorEntry, decode
+from ckptd.manifest import Chunk, Manifest, TensorEntry, decode
 from ckptd.manifest import layout as L
 from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import codecs
 from ckptd.writer import commit as C
-from ckptd.writer.files import write_all
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
-from ckptd.writer.pack import pack
-from ckptd.writer.staging import StagingPool, copy_into
+from ckptd.writer.pipeline import RankWriter, Round, Share, n_files, plan_rounds, stage, stored_bytes
+from ckptd.writer.staging import Arena, StagingPool
 
 log = logging.getLogger("ckptd")
 
@@ -111,6 +110,7 @@ class Checkpointer:
         run_id: str | None = None,
         storage: Storage | None = None,
         debug_overlap: bool = False,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
@@ -124,8 +124,10 @@ class Checkpointer:
         self.threads = threads or config.io_threads()
         self.debug_overlap = debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1"
         self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
+        self.host_budget_bytes = host_budget_bytes
         self.pool = StagingPool(self.max_inflight)
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
+        self._writer = RankWriter(self.storage, self._io, self.pool, self.codec, self.level)
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._handles: list[SaveHandle] = []
         self._seq = 0
@@ -139,7 +141,12 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
     def save_async(self, state: Any, *, step: int | None = None, overlap: bool = False,
                    training: dict[str, Any] | None = None) -> SaveHandle:
-        """Stage ``state`` and write it in the background; see API.md."""
+        """Stage ``state`` into host memory and write it in the background.
+
+        Returns once the state is staged: the caller may then modify every tensor. With
+        ``overlap=True`` it returns at once and stages in the background; call
+        ``handle.wait_staged()`` before modifying the state.
+        """
         self._check_open()
         self._raise_pending()
         t0 = time.perf_counter()
@@ -154,41 +161,53 @@ class Checkpointer:
                 h._committed.exception()  # wait; errors surface through _raise_pending
             self._raise_pending()
         self._seq += 1
-        attempt = f"{self.run_id}-{self._seq:06d}"
         described = describe(state, self.rank, self.world_size)
-        writers = [p for p in described.pieces if p.is_writer]
-        plans, total = pack(writers, self.threads, config.get().file_alignment,
-                            config.get().min_file_bytes)
-        arena = self.pool.acquire(total)
+        share = Share(
+            step=step, attempt=f"{self.run_id}-{self._seq:06d}", rank=self.rank,
+            world_size=self.world_size,
+            declared={p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces},
+            values=_json_copy(described.values) if self.rank == 0 else {},
+            locals=_json_copy({k: v for k, v in described.locals.items()
+                               if not isinstance(v, torch.Tensor)}),
+            training=_json_copy(training or {}),
+        )
+        rounds = plan_rounds([p for p in described.pieces if p.is_writer], self.threads,
+                             self.host_budget_bytes)
         handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
-        values = json.loads(json.dumps(described.values)) if self.rank == 0 else {}
-        local_values = {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
-        declared = {p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces}
-        job = _Job(step, attempt, arena, plans, declared, values,
-                   json.loads(json.dumps(local_values)), dict(training or {}), handle, t0)
-
-        def stage() -> None:
-            with torch.no_grad():
-                for plan in plans:
-                    for s in plan.slots:
-                        copy_into(arena.buffer, s.offset, s.piece.view)
-            if any(s.piece.view.is_cuda for p in plans for s in p.slots):
-                torch.cuda.current_stream().synchronize()
-
-        if self.debug_overlap:
-            handle.on_wait_staged.append(lambda: _check_unmodified(plans, arena.buffer))
-        if overlap:
-            job.stage = stage
-        else:
+        job = _Job(share, rounds, handle)
+        if len(rounds) > 1:
+            if overlap:
+                raise CkptdError(
+                    f"step {step}: overlap=True needs the state staged at once, but it needs "
+                    f"{sum(r.nbytes for r in rounds)} bytes and the host budget is "
+                    f"{self.host_budget_bytes}")
+            log.warning("ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
+                        "writing it in %d blocking rounds", step, sum(r.nbytes for r in rounds),
+                        self.host_budget_bytes, len(rounds))
             try:
-                stage()
-            except BaseException:
-                self.pool.release(arena)
+                job.chunks = self._writer.write_rounds(share, rounds)
+            except BaseException as e:
+                self._writer.discard(share, n_files(rounds))
+                handle._set_failed(e)
+                handle._reported = True
                 raise
             handle.stall_s = time.perf_counter() - t0
             handle._set_staged()
+        else:
+            job.arena = self.pool.acquire(rounds[0].nbytes)
+            if self.debug_overlap:
+                arena_buf, plans = job.arena.buffer, rounds[0].plans
+                handle.on_wait_staged.append(lambda: _check_unmodified(plans, arena_buf))
+            if not overlap:
+                try:
+                    stage(job.arena.buffer, rounds[0].plans)
+                except BaseException:
+                    self.pool.release(job.arena)
+                    raise
+                handle.stall_s = time.perf_counter() - t0
+                handle._set_staged()
         self._driver.submit(self._run, job)
         if overlap:
             handle.stall_s = time.perf_counter() - t0
@@ -200,58 +219,38 @@ class Checkpointer:
         return self.save_async(state, step=step, training=training).result()
 
     def _run(self, job: _Job) -> None:
-        h = job.handle
-        released = partial_written = False
+        """The background part of a save: write (if not written yet), partial, commit."""
+        h, share = job.handle, job.share
+        partial_written = False
         try:
-            if job.stage is not None:
-                job.stage()
-                h._set_staged()
             t_staged = time.perf_counter()
-            sdir = L.step_dir(job.step)
-            paths = [L.data_file(job.attempt, self.rank, p.index) for p in job.plans]
-            chunks = write_all(self._io, self.storage, sdir, paths, job.arena.buffer, job.plans,
-                               self.codec, self.level, config.get().frame_bytes, self.rank)
-            self.pool.release(job.arena)
-            released = True
-            by_name: dict[str, list[Any]] = {}
-            for name, c in chunks:
-                by_name.setdefault(name, []).append(c)
-            tensors = {n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
-                       for n, e in job.declared.items()}
-            partial = Manifest(job.step, job.attempt, self.world_size, time.time(), tensors,
-                               job.values, {str(self.rank): job.locals} if job.locals else {},
-                               job.training, rank=self.rank)
-            self.storage.put_atomic(L.partial_path(job.step, job.attempt, self.rank),
-                                    partial.encode())
+            if job.arena is not None:
+                try:
+                    if h.phase is Phase.STAGING:  # overlap=True: stage here
+                        stage(job.arena.buffer, job.rounds[0].plans)
+                        t_staged = time.perf_counter()
+                        h._set_staged()
+                    job.chunks = self._writer.write_round(share, job.arena, job.rounds[0], 0)
+                finally:
+                    self.pool.release(job.arena)
+            self._writer.write_partial(share, job.chunks)
             partial_written = True
             if self.rank == 0:
-                C.coordinate(self.storage, job.step, job.attempt, self.world_size, self.run_id)
+                C.coordinate(self.storage, share.step, share.attempt, self.world_size,
+                             self.run_id)
                 if self.keep_last > 0:
                     C.apply_retention(self.storage, self.keep_last)
             else:
-                C.wait_committed(self.storage, job.step, job.attempt)
-            nbytes = sum(c.length if c.codec == codecs.RAW else sum(f.stored for f in c.frames)
-                         for _, c in chunks)
-            result = SaveResult(job.step, h.url, nbytes, h.stall_s,
+                C.wait_committed(self.storage, share.step, share.attempt)
+            result = SaveResult(share.step, h.url, stored_bytes(job.chunks), h.stall_s,
                                 time.perf_counter() - t_staged)
             self._record(result)
             h._set_committed(result)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            if not released:
-                self.pool.release(job.arena)
             if not partial_written:  # once a partial names them, a commit may still use them
-                self._discard_files(job)
-            log.error("ckptd: save of step %d failed: %s", job.step, e)
+                self._writer.discard(share, n_files(job.rounds))
+            log.error("ckptd: save of step %d failed: %s", share.step, e)
             h._set_failed(e)
-
-    def _discard_files(self, job: _Job) -> None:
-        """Best effort: a failed save should not keep holding space (a full disk)."""
-        for plan in job.plans:
-            path = f"{L.step_dir(job.step)}/{L.data_file(job.attempt, self.rank, plan.index)}"
-            try:
-                self.storage.remove(path)
-            except OSError as e:
-                log.warning("ckptd: could not remove %s: %s", path, e)
 
     def _record(self, r: SaveResult) -> None:
         line = {"step": r.step, "rank": self.rank, "world_size": self.world_size,
@@ -357,17 +356,16 @@ class Checkpointer:
 
 @dataclass
 class _Job:
-    step: int
-    attempt: str
-    arena: Any
-    plans: list[Any]
-    declared: dict[str, TensorEntry]
-    values: dict[str, Any]
-    locals: dict[str, Any]
-    training: dict[str, Any]
+    share: Share
+    rounds: list[Round]
     handle: SaveHandle
-    t0: float
-    stage: Any = None
+    arena: Arena | None = None  # one round: staged in an arena, written in the background
+    chunks: list[tuple[str, Chunk]] = field(default_factory=list)
+
+
+def _json_copy(value: Any) -> Any:
+    """A snapshot of JSON-able values, taken at the call (the caller may change them after)."""
+    return json.loads(json.dumps(value))
 
 
 def _check_unmodified(plans: list[Any], arena: torch.Tensor) -> None:

@@ -96,6 +96,17 @@ class S3Bucket:
     prefix: str
     server: MotoServer
 
+    def options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """``storage_options`` for this bucket, optionally through another endpoint (a proxy)."""
+        return s3_options(endpoint_url or self.server.endpoint_url)
+
+    def storage(self, endpoint_url: str | None = None, **transfer: Any) -> Any:
+        """An FsspecStorage on the root, tuned for tests (see :func:`fast_transfer`)."""
+        from ckptd.storage.fsspec_backend import FsspecStorage
+
+        options = self.options(endpoint_url)
+        return FsspecStorage(self.url, options, transfer=fast_transfer(**transfer))
+
     def client(self) -> Any:
         """A boto3 client straight to moto (no proxy), to check what the server holds."""
         import boto3
@@ -154,7 +165,5 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
         yield storage
         storage.remove("")
     else:
-        from ckptd.storage.fsspec_backend import FsspecStorage
-
         bucket: S3Bucket = request.getfixturevalue("s3_bucket")
-        yield FsspecStorage(bucket.url, bucket.storage_options, transfer=fast_transfer())
+        yield bucket.storage()

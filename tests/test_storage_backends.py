@@ -12,17 +12,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from fault_proxy import FaultProxy, Request
 
 from ckptd.errors import StorageError
 from ckptd.storage.base import Storage
 from ckptd.storage.fsspec_backend import FsspecStorage, S3Transfer
-from tests.conftest import TEST_PART_BYTES, S3Bucket, fast_transfer, s3_options
-from tests.fault_proxy import FaultProxy, Request
 
-PART = TEST_PART_BYTES
+if TYPE_CHECKING:
+    from conftest import S3Bucket
+
+PART = 64 << 10  # the part size of the s3 backend in tests (conftest.TEST_PART_BYTES)
 
 
 def payload(n: int, seed: int = 0) -> bytes:
@@ -160,11 +162,6 @@ class TestEveryBackend:
 # -- S3 specifics ------------------------------------------------------------------------------
 
 
-def s3(bucket: S3Bucket, endpoint_url: str | None = None, **transfer: Any) -> FsspecStorage:
-    options = s3_options(endpoint_url) if endpoint_url else bucket.storage_options
-    return FsspecStorage(bucket.url, options, transfer=fast_transfer(**transfer))
-
-
 def uploads_in_progress(bucket: S3Bucket) -> list[str]:
     resp = bucket.client().list_multipart_uploads(Bucket=bucket.bucket)
     return [u["Key"] for u in resp.get("Uploads", [])]
@@ -195,7 +192,7 @@ class TestS3:
     def test_large_objects_are_multipart_and_small_ones_a_single_put(
         self, s3_bucket: S3Bucket
     ) -> None:
-        storage = s3(s3_bucket)
+        storage = s3_bucket.storage()
         storage.write_file("big.bin", [payload(5 * PART + 1)])
         storage.write_file("one.bin", [payload(PART)])
         client = s3_bucket.client()
@@ -209,7 +206,7 @@ class TestS3:
             raise RuntimeError("encoder crashed")
 
         with pytest.raises(RuntimeError, match="encoder crashed"):
-            s3(s3_bucket).write_file("data/z.bin", parts())
+            s3_bucket.storage().write_file("data/z.bin", parts())
         assert keys(s3_bucket) == []
         assert uploads_in_progress(s3_bucket) == []
 
@@ -231,7 +228,7 @@ class TestS3:
     def test_ten_percent_faults_are_retried_to_bit_exact_results(
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=8)
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8)
         proxy.set_faults(0.10, kinds=("500", "503", "reset", "truncate"))
         datas = {f"data/{i}.bin": payload(8 * PART + 1000 * i, seed=i) for i in range(4)}
         for path, data in datas.items():
@@ -254,8 +251,8 @@ class TestS3:
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
         data = payload(9 * PART + 5)
-        s3(s3_bucket).write_file("cut.bin", [data])
-        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=10)
+        s3_bucket.storage().write_file("cut.bin", [data])
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=10)
         proxy.set_faults(0.3, kinds=("truncate",))
         got = storage.read_ranges("cut.bin", [(0, len(data)), (3, PART)])
         assert got == [data, data[3 : 3 + PART]]
@@ -265,7 +262,7 @@ class TestS3:
     def test_attempts_are_bounded_and_not_multiplied_by_botocore(
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=3)
         proxy.fail_all(kind="503")
         with pytest.raises(StorageError) as err:
             storage.put_atomic("000002/manifest.json", b"{}")
@@ -278,7 +275,7 @@ class TestS3:
     def test_persistent_part_failures_abort_the_upload(
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=3)
         proxy.fail_all(after=2, kind="500", match=is_upload_part)
         with pytest.raises(StorageError, match="failed after 3 attempts") as err:
             storage.write_file("data/x.bin", [payload(12 * PART)])
@@ -291,7 +288,7 @@ class TestS3:
     def test_outage_leaves_no_object_and_gc_aborts_the_upload(
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3(s3_bucket, proxy.endpoint_url, max_attempts=3)
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=3)
         proxy.fail_all(after=3, kind="reset")
         with pytest.raises(StorageError) as err:
             storage.write_file("data/y.bin", [payload(12 * PART)])
@@ -312,7 +309,7 @@ class TestS3:
         client = s3_bucket.client()
         for key in ["run/data/a.bin", "run/data/b.bin", "other/data/c.bin"]:
             client.create_multipart_upload(Bucket="ckptd-test", Key=key)
-        storage = s3(s3_bucket)
+        storage = s3_bucket.storage()
         initiated = client.list_multipart_uploads(Bucket="ckptd-test")["Uploads"][0]["Initiated"]
         age_s = time.time() - initiated.timestamp()  # moto reports a fixed date in 2010
         assert storage.abort_incomplete_uploads("data", min_age_s=age_s + 3600) == 0
@@ -324,10 +321,11 @@ class TestS3:
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
         data = payload(6 * PART)
-        s3(s3_bucket).write_file("slow.bin", [data])
-        options = s3_options(proxy.endpoint_url)
+        s3_bucket.storage().write_file("slow.bin", [data])
+        options = s3_bucket.options(proxy.endpoint_url)
         options["config_kwargs"] = {"read_timeout": 0.3}  # passes through to botocore
-        storage = FsspecStorage(s3_bucket.url, options, transfer=fast_transfer(max_attempts=8))
+        transfer = S3Transfer(part_bytes=PART, max_attempts=8, base_delay_s=0.001)
+        storage = FsspecStorage(s3_bucket.url, options, transfer=transfer)
         proxy.stall(0.5, seconds=30.0)
         start = time.monotonic()
         got = storage.read_ranges("slow.bin", [(i * PART, PART) for i in range(6)])

@@ -261,4 +261,4 @@ def _all_reduce_deadline(channel: _Channel) -> float | None:
     value = float(buf.item())
     if value <= 0.0:
         return None
-    return grace_deadline() or 0.0
+    return now + (_OFFSET - value)

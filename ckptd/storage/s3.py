@@ -29,15 +29,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptd.errors import StorageError
+from ckptd.storage import s3_retry as retry
 from ckptd.storage.base import Buffer
-from ckptd.storage.s3_retry import (
-    NOT_FOUND_CODES,
-    STORAGE_EXCEPTIONS,
-    code,
-    delay_s,
-    reason,
-    retryable,
-)
 
 if TYPE_CHECKING:
     from ckptd.storage.fsspec_backend import S3Transfer
@@ -125,16 +118,17 @@ class S3Objects:
             try:
                 async with self._requests:
                     return await request(_WithDefaults(client, self._fs))
-            except STORAGE_EXCEPTIONS as e:  # anything else is a bug: let it through as is
-                if code(e) in NOT_FOUND_CODES:
+            except retry.STORAGE_EXCEPTIONS as e:  # anything else is a bug: let it through as is
+                if retry.code(e) in retry.NOT_FOUND_CODES:
                     raise FileNotFoundError(errno.ENOENT, "no such object", self.url(key)) from e
-                if not retryable(e):
-                    raise StorageError(f"{self.url(key)}: {action} failed: {reason(e)}") from e
+                why = retry.reason(e)
+                if not retry.retryable(e):
+                    raise StorageError(f"{self.url(key)}: {action} failed: {why}") from e
                 if attempt == self.transfer.max_attempts:
                     raise StorageError(
-                        f"{self.url(key)}: {action} failed after {attempt} attempts: {reason(e)}"
+                        f"{self.url(key)}: {action} failed after {attempt} attempts: {why}"
                     ) from e
-            await asyncio.sleep(delay_s(attempt, self.transfer, self._rng))
+            await asyncio.sleep(retry.delay_s(attempt, self.transfer, self._rng))
         raise AssertionError("unreachable")
 
     # -- writes --------------------------------------------------------------------------------
@@ -228,7 +222,7 @@ class S3Objects:
             )
         except StorageError as e:
             # A retried Complete whose first response was lost finds the upload already gone.
-            if code(e.__cause__) != "NoSuchUpload":
+            if retry.code(e.__cause__) != "NoSuchUpload":
                 raise
             head = await self._call("head_object", key, "HEAD", Bucket=self.bucket, Key=key)
             if head["ContentLength"] != total:
@@ -249,7 +243,7 @@ class S3Objects:
                 UploadId=upload_id,
             )
         except StorageError as e:
-            if code(e.__cause__) != "NoSuchUpload":
+            if retry.code(e.__cause__) != "NoSuchUpload":
                 raise
 
     def abort_incomplete_uploads(self, prefix: str, min_age_s: float = 0.0) -> int:
@@ -303,7 +297,7 @@ class S3Objects:
         try:
             data = await self._retrying(get, key, action)
         except StorageError as e:
-            if code(e.__cause__) == "InvalidRange" and rng is not None:
+            if retry.code(e.__cause__) == "InvalidRange" and rng is not None:
                 raise EOFError(f"{self.url(key)}: range {rng[0]}+{rng[1]} beyond the end") from e
             raise
         if rng is not None and len(data) != rng[1]:

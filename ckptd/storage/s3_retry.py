@@ -7,9 +7,9 @@ which would fail again.
 
 The wait before retry ``n`` (1-based) is uniform in
 ``[0, min(max_delay_s, base_delay_s * 2**(n-1))]`` ("full jitter": clients that were throttled
-together spread out instead of retrying in lockstep). Attempts are bounded by ``max_attempts``. This is the only retry loop: botocore's own
-is switched off by :func:`client_config`, since two nested loops multiply attempts and hide the
-real bound.
+together spread out instead of retrying in lockstep). Attempts are bounded by ``max_attempts``.
+This is the only retry loop: botocore's own is switched off by :func:`client_config`, since two
+nested loops multiply attempts and hide the real bound.
 """
 
 from __future__ import annotations

@@ -1,0 +1,190 @@
+"""One rank's share of a save: pack its writer pieces, stage them, write files, write the
+partial manifest. Used by the Checkpointer (in the background) and by offline tools that write
+checkpoints (``ckptd reshard``, importers).
+
+Host-memory budget: the pieces are cut into *rounds* whose staged size fits the budget (a piece
+larger than the budget is split along its first dimension). One round — the normal case — is
+staged in the caller's thread and written in the background. Several rounds cannot all be held
+at once, so each is staged and written before the next is staged: the save then blocks the
+caller until the data is durable (logged as a warning), and only the commit runs in the
+background.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd import config
+from ckptd.errors import CkptdError
+from ckptd.manifest import Chunk, Manifest, TensorEntry
+from ckptd.manifest import layout as L
+from ckptd.regions import Box
+from ckptd.sharding import Piece
+from ckptd.storage import Storage
+from ckptd.writer import codecs
+from ckptd.writer.files import write_all
+from ckptd.writer.pack import FilePlan, pack
+from ckptd.writer.staging import Arena, StagingPool, copy_into
+
+log = logging.getLogger("ckptd")
+
+
+@dataclass
+class Share:
+    """What one rank contributes to one save attempt, besides its data."""
+
+    step: int
+    attempt: str
+    rank: int
+    world_size: int
+    declared: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    locals: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Round:
+    plans: list[FilePlan]
+    nbytes: int  # arena bytes
+
+
+def split_rows(piece: Piece, max_bytes: int) -> list[Piece]:
+    """Cut a piece along its first dimension into parts of at most ``max_bytes`` (whole rows;
+    a single row larger than that stays whole)."""
+    nbytes = piece.view.numel() * piece.view.element_size()
+    if nbytes <= max_bytes or piece.view.dim() == 0 or piece.view.shape[0] <= 1:
+        return [piece]
+    row = nbytes // piece.view.shape[0]
+    per = max(1, max_bytes // max(row, 1))
+    out = []
+    for a in range(0, piece.view.shape[0], per):
+        n = min(per, piece.view.shape[0] - a)
+        box = Box((piece.box.offsets[0] + a, *piece.box.offsets[1:]), (n, *piece.box.sizes[1:]))
+        out.append(Piece(piece.name, piece.global_shape, piece.dtype, box,
+                         piece.view.narrow(0, a, n), piece.replica, piece.replicas))
+    return out
+
+
+def plan_rounds(pieces: list[Piece], files: int, budget: int | None) -> list[Round]:
+    cfg = config.get()
+    total = sum(p.view.numel() * p.view.element_size() for p in pieces)
+    if budget is None or total <= budget:
+        plans, size = pack(pieces, files, cfg.file_alignment, cfg.min_file_bytes)
+        return [Round(plans, size)]
+    # leave room for alignment padding inside a round
+    room = max(cfg.file_alignment, budget - files * cfg.file_alignment - 64 * len(pieces))
+    parts = [q for p in pieces for q in split_rows(p, room)]
+    rounds, current, size = [], [], 0
+    for p in parts:
+        n = p.view.numel() * p.view.element_size()
+        if current and size + n > room:
+            rounds.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += n
+    if current:
+        rounds.append(current)
+    out = []
+    for group in rounds:
+        plans, size = pack(group, files, cfg.file_alignment, cfg.min_file_bytes)
+        out.append(Round(plans, size))
+    return out
+
+
+def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
+    """The copy the caller waits for. On CUDA, copies are issued on a side stream into pinned
+    memory and synchronised here, so "staged" always means the source may change."""
+    cuda = any(s.piece.view.is_cuda for p in plans for s in p.slots)
+    stream = torch.cuda.Stream() if cuda else None
+    with torch.no_grad():
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for plan in plans:
+                    for s in plan.slots:
+                        copy_into(arena, s.offset, s.piece.view)
+            stream.synchronize()
+        else:
+            for plan in plans:
+                for s in plan.slots:
+                    copy_into(arena, s.offset, s.piece.view)
+
+
+class RankWriter:
+    """Writes one rank's files for one attempt, round by round, then its partial manifest."""
+
+    def __init__(self, storage: Storage, io: ThreadPoolExecutor, pool: StagingPool, codec: str,
+                 level: int) -> None:
+        self.storage = storage
+        self.io = io
+        self.pool = pool
+        self.codec = codec
+        self.level = level
+
+    def write_round(self, share: Share, arena: Arena, rnd: Round, first_index: int,
+                    ) -> list[tuple[str, Chunk]]:
+        paths = [L.data_file(share.attempt, share.rank, first_index + p.index) for p in rnd.plans]
+        return write_all(self.io, self.storage, L.step_dir(share.step), paths, arena.buffer,
+                         rnd.plans, self.codec, self.level, config.get().frame_bytes, share.rank)
+
+    def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
+        by_name: dict[str, list[Chunk]] = {}
+        for name, c in chunks:
+            by_name.setdefault(name, []).append(c)
+        unknown = set(by_name) - set(share.declared)
+        if unknown:
+            raise CkptdError(f"chunks written for undeclared tensors {sorted(unknown)}")
+        tensors = {n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
+                   for n, e in share.declared.items()}
+        partial = Manifest(share.step, share.attempt, share.world_size, time.time(), tensors,
+                           share.values, {str(share.rank): share.locals} if share.locals else {},
+                           share.training, rank=share.rank)
+        self.storage.put_atomic(L.partial_path(share.step, share.attempt, share.rank),
+                                partial.encode())
+        return partial
+
+    def write_rounds(self, share: Share, rounds: list[Round],
+                     on_round: Callable[[int], None] | None = None) -> list[tuple[str, Chunk]]:
+        """Stage and write every round in this thread (the over-budget path, offline tools)."""
+        chunks: list[tuple[str, Chunk]] = []
+        index = 0
+        for i, rnd in enumerate(rounds):
+            arena = self.pool.acquire(rnd.nbytes)
+            try:
+                stage(arena.buffer, rnd.plans)
+                chunks += self.write_round(share, arena, rnd, index)
+            finally:
+                self.pool.release(arena)
+            index += len(rnd.plans)
+            if on_round:
+                on_round(i)
+        return chunks
+
+    def discard(self, share: Share, files: int) -> None:
+        """Best effort: a failed save should not keep holding space (a full disk)."""
+        for i in range(files):
+            path = f"{L.step_dir(share.step)}/{L.data_file(share.attempt, share.rank, i)}"
+            try:
+                self.storage.remove(path)
+            except OSError as e:
+                log.warning("ckptd: could not remove %s: %s", path, e)
+
+
+def stored_bytes(chunks: list[tuple[str, Chunk]]) -> int:
+    return sum(sum(f.stored for f in c.frames) for _, c in chunks)
+
+
+def n_files(rounds: list[Round]) -> int:
+    return sum(len(r.plans) for r in rounds)
+
+
+__all__ = ["Share", "Round", "RankWriter", "plan_rounds", "stage", "split_rows", "stored_bytes",
+           "n_files"]
