@@ -91,6 +91,8 @@ def machine_info(directory: str | None) -> dict[str, Any]:
     }
     if directory:
         info["df_T"] = _run(["df", "-hT", directory])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    info["git"] = _run(["git", "-C", repo, "describe", "--always", "--dirty"])
     return info
 
 

@@ -3,9 +3,10 @@
     python benchmarks/s3_floor.py [--mib 256] [--repeat 3] [--sweep]
 
 Starts ``moto.server`` in a subprocess on 127.0.0.1 (port 0), moves one object of ``--mib`` MiB
-up and down with each client, and prints the median MB/s of ``--repeat`` runs. ``--sweep`` also
-varies FsspecStorage's part size and concurrency. The moto server is a single Python process, so
-these figures measure the clients against *this* server's ceiling, not against S3.
+up and down with each client, and prints the median MB/s of ``--repeat`` rounds (each round runs
+every client once; the write through ckptd is fed as 4 MiB buffers, the read is one range).
+``--sweep`` also varies FsspecStorage's part size and concurrency. The moto server is a single
+Python process, so these figures measure the clients against *its* ceiling, not against S3.
 """
 
 from __future__ import annotations
@@ -29,15 +30,8 @@ print(server.server_address[1], flush=True)
 server.serve_forever()
 """
 BUCKET = "bench"
-
-
-def median_mbps(nbytes: int, fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e6
+Put = Callable[[str], Any]
+Get = Callable[[str], bytes]
 
 
 def main() -> None:
@@ -77,63 +71,67 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
         client.create_bucket(Bucket=BUCKET)
 
     data = os.urandom(n)
-    rows: list[tuple[str, float, float]] = []
-
-    def measure(name: str, put: Callable[[], Any], get: Callable[[], bytes]) -> None:
-        reset()
-        up = median_mbps(n, put, repeat)
-        got = get()
-        if got != data:
-            raise SystemExit(f"{name}: read back {len(got)} bytes that differ from what was put")
-        down = median_mbps(n, get, repeat)
-        rows.append((name, up, down))
-        print(f"{name:<44} put {up:7.1f} MB/s   get {down:7.1f} MB/s", flush=True)
-
-    measure(
-        "boto3 put_object / get_object (1 request)",
-        lambda: client.put_object(Bucket=BUCKET, Key="k", Body=data),
-        lambda: client.get_object(Bucket=BUCKET, Key="k")["Body"].read(),
-    )
+    view = memoryview(data)
     tc = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=16)
 
-    def boto3_download() -> bytes:
+    def boto3_download(key: str) -> bytes:
         buf = io.BytesIO()
-        client.download_fileobj(BUCKET, "k", buf, Config=tc)
+        client.download_fileobj(BUCKET, key, buf, Config=tc)
         return buf.getvalue()
 
-    measure(
-        "boto3 TransferManager (16 MiB x 16 threads)",
-        lambda: client.upload_fileobj(io.BytesIO(data), BUCKET, "k", Config=tc),
-        boto3_download,
-    )
     options: dict[str, Any] = {
         "key": "testing", "secret": "testing",
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    measure(
-        "s3fs pipe_file / cat_file",
-        lambda: fs.pipe_file(f"{BUCKET}/k", data),
-        lambda: fs.cat_file(f"{BUCKET}/k"),
-    )
-    view = memoryview(data)
-    configs = [(16, 16)]
+    clients: list[tuple[str, Put, Get]] = [
+        ("boto3 put_object / get_object (1 request)",
+         lambda k: client.put_object(Bucket=BUCKET, Key=k, Body=data),
+         lambda k: client.get_object(Bucket=BUCKET, Key=k)["Body"].read()),
+        ("boto3 TransferManager (16 MiB x 16 threads)",
+         lambda k: client.upload_fileobj(io.BytesIO(data), BUCKET, k, Config=tc),
+         boto3_download),
+        ("s3fs pipe_file / cat_file (50 MiB x 10)",
+         lambda k: fs.pipe_file(f"{BUCKET}/{k}", data),
+         lambda k: fs.cat_file(f"{BUCKET}/{k}")),
+    ]
+    configs = [(16, 16), (n >> 20, 1)]
     if sweep:
-        # (n MiB parts x 1) is one GET per object: the client's own overhead, without moto's cost
-        # of re-reading the whole object for every ranged GET.
-        configs += [(8, 16), (32, 16), (64, 8), (16, 4), (16, 8), (16, 32), (n >> 20, 1)]
+        configs += [(8, 16), (32, 16), (64, 8), (16, 4), (16, 8), (16, 32)]
+
+    def ckptd_ops(storage: FsspecStorage) -> tuple[Put, Get]:
+        def put(key: str) -> int:
+            return storage.write_file(key, (view[i : i + (4 << 20)] for i in range(0, n, 4 << 20)))
+
+        return put, lambda key: storage.read_ranges(key, [(0, n)])[0]
+
     for part_mib, conc in configs:
         storage = FsspecStorage(
-            f"s3://{BUCKET}/ckpt", options,
+            f"s3://{BUCKET}", options,
             transfer=S3Transfer(part_bytes=part_mib << 20, concurrency=conc),
         )
-        measure(
-            f"ckptd FsspecStorage ({part_mib} MiB parts x {conc})",
-            lambda s=storage: s.write_file(  # type: ignore[misc]
-                "k", (view[i : i + (4 << 20)] for i in range(0, n, 4 << 20))
-            ),
-            lambda s=storage: s.read_ranges("k", [(0, n)])[0],  # type: ignore[misc]
-        )
+        label = "one request" if conc == 1 else f"{part_mib} MiB x {conc}"
+        clients.append((f"ckptd FsspecStorage ({label})", *ckptd_ops(storage)))
+
+    reset()
+    # Rounds interleave the clients, so that load drifting on a shared machine hits all alike.
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _, _ in clients}
+    for r in range(repeat):
+        for i, (name, put, get) in enumerate(clients):
+            key = f"obj-{i}"
+            start = time.perf_counter()
+            put(key)
+            mid = time.perf_counter()
+            got = get(key)
+            end = time.perf_counter()
+            if r == 0 and got != data:
+                raise SystemExit(f"{name}: read back {len(got)} bytes that differ from the put")
+            client.delete_object(Bucket=BUCKET, Key=key)
+            times[name][0].append(mid - start)
+            times[name][1].append(end - mid)
+    for name, (puts, gets) in times.items():
+        up, down = n / statistics.median(puts) / 1e6, n / statistics.median(gets) / 1e6
+        print(f"{name:<46} put {up:7.1f} MB/s   get {down:7.1f} MB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -32,8 +33,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
+    ALIGN,
     Compute,
     State,
     aligned_empty,
@@ -49,6 +50,7 @@ from common import (  # noqa: E402
     parse_size,
     remove,
     spread,
+    torch_threads,
     write_fsync,
     write_fsync_parallel,
 )
@@ -108,9 +110,9 @@ class Rank:
             os.sync()
         self.barrier()
 
-    def repeat(self, fn: Callable[[int, bool], None]) -> None:
+    def repeat(self, fn: Callable[[int, bool], None], runs: int | None = None) -> None:
         """Warm-up run(s) then --runs timed runs; ``fn(i, timed)``."""
-        warm, runs = self.cfg["warmup"], self.cfg["runs"]
+        warm, runs = self.cfg["warmup"], runs or self.cfg["runs"]
         for i in range(warm + runs):
             self.barrier()
             if self.cfg["drop_caches"] and self.rank == 0:
@@ -135,17 +137,16 @@ class Rank:
         return {"rank": self.rank, "runs": self.runs, "info": self.info, "notes": self.notes}
 
     def section_floors(self) -> None:
-        import ckptd.config
-
         st = self.state
-        image = aligned_empty(self.nbytes)  # "the same bytes", laid out like a staging arena
-        dst = aligned_empty(self.nbytes)
+        # "the same bytes", laid out like a staging arena (padded to 4 KiB for O_DIRECT)
+        image = aligned_empty(_round_up(self.nbytes, ALIGN))
+        dst = aligned_empty(image.numel())
         offsets, off = [], 0
         for lf in st.leaves:
             offsets.append(off)
             off = -(-(off + lf.local.numel() * lf.local.element_size()) // 64) * 64
         mem = memoryview(image.numpy()).cast("B")
-        k = ckptd.config.io_threads()
+        k = _io_threads()
         self.info["io_threads"] = k
         direct_ok = True
 
@@ -154,18 +155,24 @@ class Rank:
                 n = lf.local.numel() * lf.local.element_size()
                 image[o : o + n].view(lf.local.dtype).view(lf.local.shape).copy_(lf.local)
 
+        nt = torch.get_num_threads()
+        copies = [("", None)] if nt == 1 else [(f".t{nt}", None), (".t1", 1)]
+
         def once(i: int, timed: bool) -> None:
             nonlocal direct_ok
-            t = time.perf_counter()
-            copy_per_tensor()
-            t_copy = time.perf_counter() - t
-            self.barrier()
-            t = time.perf_counter()
-            dst.copy_(image)
-            t_memcpy = time.perf_counter() - t
-            if timed:
-                self.add("floor.copy_per_tensor", t_copy)
-                self.add("floor.memcpy", t_memcpy)
+            for suffix, threads in copies:
+                with torch_threads(threads):
+                    self.barrier()
+                    t = time.perf_counter()
+                    copy_per_tensor()
+                    t_copy = time.perf_counter() - t
+                    self.barrier()
+                    t = time.perf_counter()
+                    dst.copy_(image)
+                    t_memcpy = time.perf_counter() - t
+                if timed:
+                    self.add("floor.copy_per_tensor" + suffix, t_copy)
+                    self.add("floor.memcpy" + suffix, t_memcpy)
             for key, direct, files in (("floor.write_buffered", False, 1),
                                        ("floor.write_direct", True, 1),
                                        (f"floor.write_direct_x{k}", True, k),
@@ -192,7 +199,6 @@ class Rank:
             os.sync()
 
         self.repeat(once)
-        del image, dst
 
     def section_torch(self) -> None:
         tree = self.state.plain()
@@ -273,12 +279,17 @@ class Rank:
 
     def section_ckptd(self) -> None:
         tree = self.state.ckptd_tree()
-        for key, compression, overlap in (("ckptd", None, False), ("ckptd.zstd", "zstd", False),
-                                          ("ckptd.overlap", None, True)):
+        variants: list[tuple[str, str | None, bool, int | None]] = [
+            ("ckptd", None, False, None), ("ckptd.zstd", "zstd", False, None),
+            ("ckptd.overlap", None, True, None)]
+        if torch.get_num_threads() > 1:  # diagnosis: the same save with 1 intra-op thread
+            variants.append(("ckptd.t1", None, False, 1))
+        for key, compression, overlap, threads in variants:
             self.log(f"  {key}")
             ck = self._checkpointer(key, compression)
-            self.repeat(lambda i, timed, key=key, ck=ck, overlap=overlap:
-                        self._ckptd_once(key, ck, tree, overlap, i, timed))
+            with torch_threads(threads):
+                self.repeat(lambda i, timed, key=key, ck=ck, overlap=overlap:
+                            self._ckptd_once(key, ck, tree, overlap, i, timed))
             ck.close()
             del ck
             self.shared_cleanup(self.path(key))
@@ -316,6 +327,20 @@ class Rank:
             self.add(f"{key}.write_s", r.write_s)
             self.add(f"{key}.stored", r.nbytes)
         self.shared_cleanup(step_dir)
+
+    def _interference_floor(self, measure: Callable[..., None], k: int, runs: int) -> None:
+        image = aligned_empty(_round_up(self.nbytes, ALIGN))
+        mem = memoryview(image.numpy()).cast("B")
+
+        def start_floor(i: int) -> tuple[Callable[[], bool], Callable[[], None], str]:
+            d = self.path(f"floor.interference-{self.rank}-{i}")
+            os.makedirs(d, exist_ok=True)
+            th = threading.Thread(target=write_fsync_parallel, args=(
+                [os.path.join(d, f"{j}.bin") for j in range(k)], mem, True))
+            th.start()
+            return (lambda: not th.is_alive()), th.join, d
+
+        self.repeat(lambda i, timed: measure("interf.floor", start_floor, i, timed), runs)
 
     def section_interference(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -355,12 +380,30 @@ class Rank:
             fut = dcp.async_save(dcp_tree, checkpoint_id=d, process_group=self.dcp_pg)
             return fut.done, lambda: (fut.result(), fsync_tree(d)), d
 
+        k = _io_threads()
+        runs = max(self.cfg["runs"], self.cfg["interference_runs"])
+        self.log(f"  O_DIRECT floor write ({k} files in {k} threads)")
+        self._interference_floor(measure, k, runs)
         self.log("  ckptd")
-        self.repeat(lambda i, timed: measure("interf.ckptd", start_ckptd, i, timed))
+        self.repeat(lambda i, timed: measure("interf.ckptd", start_ckptd, i, timed), runs)
         ck.close()
         self.shared_cleanup(self.path("ckptd.interference"))
         self.log("  dcp async_save (default)")
-        self.repeat(lambda i, timed: measure("interf.dcp", start_dcp, i, timed))
+        self.repeat(lambda i, timed: measure("interf.dcp", start_dcp, i, timed), runs)
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _io_threads() -> int:
+    """ckptd's default number of io threads (files written in parallel per rank)."""
+    try:
+        from ckptd import config
+
+        return int(config.io_threads())
+    except (ImportError, AttributeError):
+        return max(1, min(4, os.cpu_count() or 1))
 
 
 # ============================================================================ processes
@@ -450,8 +493,21 @@ class Report:
         return all(key in r["runs"] for r in self.results)
 
     def T(self, key: str) -> float:
-        """The job's figure: the slowest rank's median."""
-        return max(self.per_rank(key)) if self.has(key) else float("nan")
+        """The job's figure: the slowest rank's median for times; for compute rates the sum
+        over ranks; for slowdowns the median over runs of Σ alone rate ÷ Σ rate during (ranks
+        run in lockstep, so run i of every rank overlaps)."""
+        if not self.has(key):
+            return float("nan")
+        if key.endswith("_rate"):
+            return sum(self.per_rank(key))
+        if key.endswith(".slowdown") and self.world > 1:
+            prefix = key[: -len(".slowdown")]
+            alone = [r["runs"][f"{prefix}.alone_rate"] for r in self.results]
+            during = [r["runs"][f"{prefix}.during_rate"] for r in self.results]
+            n = min(len(x) for x in alone + during)
+            return median([sum(a[i] for a in alone) / sum(d[i] for d in during)
+                           for i in range(n)])
+        return max(self.per_rank(key))
 
     def spread(self, key: str) -> float:
         return max(spread(r["runs"].get(key, [])) for r in self.results)
@@ -478,7 +534,10 @@ class Report:
         B = self.nbytes
         T = self.T
         k = self.results[0]["info"].get("io_threads", 2)
-        memcpy = T("floor.memcpy")
+        memcpys = {x: T(x) for x in ("floor.memcpy", *(f"floor.memcpy.t{n}" for n in (1, 2, 4, 8)))
+                   if self.has(x)}
+        memcpy_key = min(memcpys, key=lambda x: memcpys[x]) if memcpys else "floor.memcpy"
+        memcpy = memcpys.get(memcpy_key, float("nan"))
         writes = {key: T(key) for key in ("floor.write_buffered", "floor.write_direct",
                                           f"floor.write_direct_x{k}", f"floor.write_buffered_x{k}")
                   if self.has(key)}
@@ -504,10 +563,15 @@ class Report:
             return f"{dcp_durable / v:.2f}× DCP GB/s" if dcp_durable == dcp_durable else ""
 
         s = "floor"
-        self.row(s, "memcpy into a preallocated buffer (one copy_ of the whole state)",
-                 "floor.memcpy", gbps_of=B)
-        self.row(s, "copy per tensor into a preallocated arena", "floor.copy_per_tensor",
-                 gbps_of=B, vs_floor=xm(T("floor.copy_per_tensor")))
+        for suffix in ("", *(f".t{n}" for n in (8, 4, 2, 1))):
+            threads = f", torch threads={suffix[2:]}" if suffix else ""
+            key = f"floor.memcpy{suffix}"
+            self.row(s, f"memcpy into a preallocated buffer (one copy_ of the whole state"
+                     f"{threads})" + (" ← memcpy floor" if key == memcpy_key else ""), key,
+                     gbps_of=B, vs_floor=xm(T(key)) if key != memcpy_key else "")
+            key = f"floor.copy_per_tensor{suffix}"
+            self.row(s, f"copy per tensor into a preallocated arena{threads}", key,
+                     gbps_of=B, vs_floor=xm(T(key)))
         for key, label in (("floor.write_buffered", "write + fsync, buffered, 1 file"),
                            ("floor.write_direct", "write + fsync, O_DIRECT, 1 file"),
                            (f"floor.write_direct_x{k}", f"write + fsync, O_DIRECT, {k} files "
@@ -562,6 +626,13 @@ class Report:
                      gbps_of=B, vs_floor=xw(du), vs_dcp=xdd(du), target=tgt)
             self.row(s, "background part: staged → committed (SaveResult.write_s)",
                      "ckptd.write_s", gbps_of=B, vs_floor=xw(T("ckptd.write_s")))
+        if self.has("ckptd.t1.stall_s"):
+            self.row(s, "diagnosis: same save, caller's torch threads=1: stall", "ckptd.t1.stall_s",
+                     gbps_of=B, vs_floor=xm(T("ckptd.t1.stall_s")),
+                     vs_dcp=xds(T("ckptd.t1.stall_s")))
+            self.row(s, "diagnosis: same save, caller's torch threads=1: durable",
+                     "ckptd.t1.durable", gbps_of=B, vs_floor=xw(T("ckptd.t1.durable")),
+                     vs_dcp=xdd(T("ckptd.t1.durable")))
         if self.has("ckptd.zstd.stall_s"):
             self.row(s, "zstd: stall", "ckptd.zstd.stall_s", vs_floor=xm(T("ckptd.zstd.stall_s")),
                      vs_dcp=xds(T("ckptd.zstd.stall_s")))
@@ -586,8 +657,11 @@ class Report:
         s = "interference"
         ct = self.cfg["compute_threads"]
         what = f"512×512 fp32 matmul + 8 tiny ops, torch threads={ct}"
+        if self.has("interf.floor.slowdown"):
+            self.row(s, f"compute alone, it/s ({what})", "interf.floor.alone_rate", unit="it/s")
+            self.row(s, f"floor: slowdown during a bare O_DIRECT write of the same bytes ({k} "
+                     f"files, {k} threads)", "interf.floor.slowdown", unit="×")
         if self.has("interf.ckptd.alone_rate"):
-            self.row(s, f"compute alone, it/s ({what})", "interf.ckptd.alone_rate", unit="it/s")
             sd = T("interf.ckptd.slowdown")
             self.row(s, "compute during ckptd's background write, it/s",
                      "interf.ckptd.during_rate", unit="it/s")
@@ -650,6 +724,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="torch threads of the compute loop standing for training (default 1)")
     ap.add_argument("--alone-s", type=float, default=1.0,
                     help="seconds of compute alone before and after each interference run")
+    ap.add_argument("--interference-runs", type=int, default=5,
+                    help="timed runs of each interference figure (noisy: default 5)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--timeout", type=float, default=1800.0, help="multi-rank timeout, seconds")
@@ -671,6 +747,7 @@ def main(argv: list[str] | None = None) -> None:
     dropping = machine["drop_caches"]
     cfg = {"size": size, "runs": max(1, args.runs), "warmup": max(0, args.warmup),
            "compute_threads": args.compute_threads, "alone_s": args.alone_s,
+           "interference_runs": args.interference_runs,
            "sections": sections, "drop_caches": dropping, "timeout_s": args.timeout}
     log(f"state {fmt_bytes(size)} over {args.ranks} rank(s), checkpoints in {root}; "
         f"page cache drop {'permitted' if dropping else 'NOT permitted'}")
@@ -701,8 +778,9 @@ def main(argv: list[str] | None = None) -> None:
         "÷ the best write floor's throughput (higher is better). vs DCP: stall ÷ DCP's "
         "best time-until-state-may-be-modified; durable throughput ÷ DCP async_save's best "
         "durable throughput.",
-        "spread = (max − min) ÷ median over the runs (the noisiest rank for --ranks > 1); "
-        "with --ranks > 1 the median column is the slowest rank's median.",
+        "spread = (max − min) ÷ median over the runs (the noisiest rank for --ranks > 1). "
+        "With --ranks > 1 the median column is the slowest rank's median (times), the sum "
+        "over ranks (compute it/s), or Σ alone ÷ Σ during over ranks (slowdowns).",
         "page cache: " + ("dropped before every run" if dropping else
                           "NOT dropped (writing /proc/sys/vm/drop_caches is not permitted "
                           "here); every write is fsynced and files are deleted between runs"),

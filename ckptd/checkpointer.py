@@ -173,16 +173,16 @@ class Checkpointer:
         )
         rounds = plan_rounds([p for p in described.pieces if p.is_writer], self.threads,
                              self.host_budget_bytes)
+        if len(rounds) > 1 and overlap:
+            raise CkptdError(
+                f"step {step}: overlap=True needs the state staged at once, but it needs "
+                f"{sum(r.nbytes for r in rounds)} bytes and the host budget is "
+                f"{self.host_budget_bytes}")
         handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
         job = _Job(share, rounds, handle)
         if len(rounds) > 1:
-            if overlap:
-                raise CkptdError(
-                    f"step {step}: overlap=True needs the state staged at once, but it needs "
-                    f"{sum(r.nbytes for r in rounds)} bytes and the host budget is "
-                    f"{self.host_budget_bytes}")
             log.warning("ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
                         "writing it in %d blocking rounds", step, sum(r.nbytes for r in rounds),
                         self.host_budget_bytes, len(rounds))
@@ -203,8 +203,10 @@ class Checkpointer:
             if not overlap:
                 try:
                     stage(job.arena.buffer, rounds[0].plans)
-                except BaseException:
+                except BaseException as e:
                     self.pool.release(job.arena)
+                    handle._set_failed(e)
+                    handle._reported = True  # raised right here, to the caller
                     raise
                 handle.stall_s = time.perf_counter() - t0
                 handle._set_staged()

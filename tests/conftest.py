@@ -1,4 +1,6 @@
-"""Shared fixtures: a moto S3 server on 127.0.0.1, and ``backend``, one Storage per backend kind.
+"""Shared fixtures: a moto S3 server on 127.0.0.1, and ``backend``, one Storage per backend kind
+(``local``: LocalStorage; ``memory``: memory://; ``s3``: a fresh bucket on the moto server;
+``fsspec-file``: FsspecStorage's generic path on a real directory).
 
 The moto server runs in its own process (its request handling then does not compete with the
 test for the GIL), bound to port 0 by the child itself, which prints the port once it listens:
@@ -52,23 +54,23 @@ class MotoServer:
 
 
 @pytest.fixture(scope="session")
-def moto_server() -> Iterator[MotoServer]:
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(_AWS_ENV)
     env["S3_UPLOAD_PART_MIN_SIZE"] = str(TEST_PART_BYTES)
     env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(16 << 20)  # keep test objects in memory
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _MOTO_MAIN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_MAIN], stdout=subprocess.PIPE, stderr=log, text=True,
+            env=env,
+        )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = proc.stdout.readline()  # the child prints its port once it listens
         if not line.strip().isdigit():
-            raise RuntimeError(f"moto server did not start (exit code {proc.poll()})")
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"moto server did not start (exit code {proc.poll()}): {tail}")
         yield MotoServer(int(line))
     finally:
         proc.terminate()
@@ -150,7 +152,7 @@ def fast_transfer(**changes: Any) -> Any:
     return S3Transfer(**base)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "fsspec-file"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     """One Storage per backend kind; the storage test suite runs against each."""
     kind = request.param
@@ -158,6 +160,10 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
         from ckptd.storage import open_storage
 
         yield open_storage(str(tmp_path / "root"))
+    elif kind == "fsspec-file":  # the generic fsspec path on a real filesystem
+        from ckptd.storage.fsspec_backend import FsspecStorage
+
+        yield FsspecStorage(f"file://{tmp_path}/root")
     elif kind == "memory":
         from ckptd.storage.fsspec_backend import FsspecStorage
 

@@ -25,6 +25,7 @@ import http.server
 import random
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -170,6 +171,10 @@ class _Server(http.server.ThreadingHTTPServer):
             self.close_request(request)
         else:
             super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that hung up is not news
+            super().handle_error(request, client_address)
 
     def close_connections(self) -> None:
         """Wake every handler blocked on an idle keep-alive connection, so that it exits."""

@@ -1,0 +1,134 @@
+"""save_async: staging semantics, buffer reuse, in-flight policy, overlap, host budget."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.writer.handle import Phase
+
+
+def _state(v: float, n: int = 4096) -> dict:
+    return {"model": {"a": torch.full((n,), v), "b": torch.full((64, 64), v)},
+            "optim": {"m": torch.full((n,), -v)}}
+
+
+def _load(c: ckptd.Checkpointer, step: int | None = None) -> dict:
+    dst = _state(0.0)
+    c.load(dst, step=step)
+    return dst
+
+
+def test_mutating_every_tensor_right_after_save_async_does_not_change_what_was_saved(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        state = _state(1.0)
+        h = c.save_async(state, step=1)
+        assert h.phase in (Phase.STAGED, Phase.COMMITTED)
+        for t in (state["model"]["a"], state["model"]["b"], state["optim"]["m"]):
+            t.mul_(0).add_(7.0)
+        assert h.result().step == 1
+        got = _load(c)
+        assert torch.equal(got["model"]["a"], torch.full((4096,), 1.0))
+        assert torch.equal(got["optim"]["m"], torch.full((4096,), -1.0))
+
+
+def test_fifty_back_to_back_saves_leave_exactly_keep_last_bit_exact_steps(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path), keep_last=3, max_inflight=1) as c:
+        state = _state(0.0)
+        for step in range(50):
+            for t in (state["model"]["a"], state["model"]["b"]):
+                t.fill_(float(step))
+            state["optim"]["m"].fill_(-float(step))
+            c.save_async(state, step=step)
+        c.wait()
+        steps = sorted(int(p.name[5:]) for p in tmp_path.glob("step-*"))
+        assert steps == [47, 48, 49]
+        for step in steps:
+            got = _load(c, step)
+            assert torch.equal(got["model"]["b"], torch.full((64, 64), float(step)))
+            assert torch.equal(got["optim"]["m"], torch.full((4096,), -float(step)))
+        assert c.pool.allocations == 1  # the staging arena was allocated once and reused
+
+
+def test_staging_buffers_are_reused_and_grow_only_when_the_state_grows(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        c.save(_state(1.0), step=1)
+        c.save(_state(2.0), step=2)
+        c.save(_state(3.0, n=1000), step=3)  # smaller: fits
+        assert c.pool.allocations == 1
+        c.save(_state(4.0, n=100_000), step=4)  # larger: one more allocation
+        c.save(_state(5.0, n=100_000), step=5)
+        assert c.pool.allocations == 2
+        assert c.pool.nbytes < 2 * (100_000 * 4 * 2 + 64 * 64 * 4) + 3 * 4096
+
+
+def test_on_busy_skip_drops_the_new_save_and_says_so(tmp_path, caplog):
+    from ckptd import config
+
+    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=2, run_id="j",
+                            on_busy="skip") as c:
+        with config.override(commit_timeout_s=5.0):
+            first = c.save_async(_state(1.0), step=1)  # waits for rank 1's partial
+            with caplog.at_level(logging.WARNING, logger="ckptd"):
+                second = c.save_async(_state(2.0), step=2)
+            assert second.phase is Phase.SKIPPED
+            assert "step 2 skipped" in caplog.text
+            other = ckptd.Checkpointer(str(tmp_path / "r"), rank=1, world_size=2, run_id="j")
+            other.save_async(_state(1.0), step=1).result()
+            other.close()
+            assert first.result().step == 1
+
+
+def test_overlap_stages_in_the_background_until_wait_staged(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        state = _state(3.0)
+        h = c.save_async(state, step=1, overlap=True)
+        h.wait_staged()
+        state["model"]["a"].fill_(-1.0)  # allowed after wait_staged
+        h.result()
+        assert torch.equal(_load(c)["model"]["a"], torch.full((4096,), 3.0))
+
+
+def test_debug_mode_detects_a_modification_before_wait_staged(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path), debug_overlap=True) as c:
+        state = _state(3.0)
+        c.save(state, step=0)
+        h = c.save_async(state, step=1, overlap=True)
+        h._staged.result()  # let staging finish first, so the detection is deterministic
+        state["model"]["b"].fill_(5.0)  # the caller's error: modified before wait_staged()
+        with pytest.raises(ckptd.CorruptCheckpoint, match="model/b: modified before wait_staged"):
+            h.wait_staged()
+        h.result()
+
+
+def test_a_state_larger_than_the_host_budget_is_written_in_rounds(tmp_path, caplog):
+    big = {"w": torch.arange(300_000, dtype=torch.float32), "v": torch.randn(1000, 50)}
+    with ckptd.Checkpointer(str(tmp_path), host_budget_bytes=256 * 1024) as c:
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            h = c.save_async(big, step=1)
+        assert "over the host budget" in caplog.text
+        assert h.phase in (Phase.STAGED, Phase.COMMITTED)
+        h.result()
+        assert c.pool.nbytes <= 256 * 1024
+        m = c.read_manifest(1)
+        assert len(m.tensors["w"].chunks) >= 4  # the 1.2 MB tensor was split into row ranges
+        dst = {"w": torch.zeros(300_000), "v": torch.zeros(1000, 50)}
+        c.load(dst)
+        assert torch.equal(dst["w"], big["w"]) and torch.equal(dst["v"], big["v"])
+        with pytest.raises(ckptd.CkptdError, match="overlap=True needs the state staged at once"):
+            c.save_async(big, step=2, overlap=True)
+
+
+def test_save_result_and_metrics_line(tmp_path):
+    import json
+
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        r = c.save(_state(1.0), step=9)
+        assert r.nbytes == (4096 * 4) * 2 + 64 * 64 * 4
+        assert r.stall_s > 0 and r.write_s > 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rec = json.loads(lines[-1])
+    assert rec["step"] == 9 and rec["nbytes"] == r.nbytes and rec["world_size"] == 1
