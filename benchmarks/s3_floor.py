@@ -115,24 +115,30 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
 
     reset()
     # Rounds interleave the clients, so that load drifting on a shared machine hits all alike.
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _, _ in clients}
+    times: dict[str, list[list[float]]] = {name: [[], [], [], []] for name, _, _ in clients}
     for r in range(repeat):
         for i, (name, put, get) in enumerate(clients):
             key = f"obj-{i}"
-            start = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             put(key)
-            mid = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             got = get(key)
-            end = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if r == 0 and got != data:
                 raise SystemExit(f"{name}: read back {len(got)} bytes that differ from the put")
             client.delete_object(Bucket=BUCKET, Key=key)
-            times[name][0].append(mid - start)
-            times[name][1].append(end - mid)
-    for name, (puts, gets) in times.items():
-        up, down = n / statistics.median(puts) / 1e6, n / statistics.median(gets) / 1e6
-        print(f"{name:<46} put {up:7.1f} MB/s   get {down:7.1f} MB/s", flush=True)
-
+            for column, value in zip(times[name], (t1 - t0, t2 - t1, c1 - c0, c2 - c1)):
+                column.append(value)
+    # client CPU: seconds of CPU (all threads of this process; the server is another process)
+    # per GiB moved, i.e. the client's own ceiling on one core is 1.07 / that figure GB/s.
+    print(f"{'':<46}     {'MB/s':>7}     {'MB/s':>7}   client CPU s/GiB (put, get)")
+    for name, columns in times.items():
+        put_s, get_s, put_cpu, get_cpu = (statistics.median(c) for c in columns)
+        print(
+            f"{name:<46} put {n / put_s / 1e6:7.1f}  get {n / get_s / 1e6:7.1f}   "
+            f"{put_cpu * (1 << 30) / n:5.2f} {get_cpu * (1 << 30) / n:5.2f}",
+            flush=True,
+        )
 
 if __name__ == "__main__":
     main()

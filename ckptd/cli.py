@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -191,13 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     gc = add("gc", cmd_gc, "remove incomplete steps (and old ones with --keep-last)")
     gc.add_argument("root")
     gc.add_argument("--keep-last", type=int, default=0)
-    for extra in _extensions:
-        extra(sub, add)
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).register(sub, add)
     return p
 
 
-# Other modules register subcommands here (plan, reshard, demo, ...).
-_extensions: list[Callable[[Any, Callable[[str, Command, str], argparse.ArgumentParser]], None]] = []
+# Subcommands that live next to the library code they drive. Each module has
+# ``register(subparsers, add)`` where ``add(name, fn, help) -> ArgumentParser`` adds a
+# subcommand with ``--json``; ``fn(args) -> int`` is the exit status.
+_COMMAND_MODULES: list[str] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
