@@ -32,8 +32,15 @@ def init(
     if _default is not None:
         _default.close()
     _default = Checkpointer(
-        root, rank=rank, world_size=world_size, keep_last=keep_last, compression=compression,
-        storage_options=storage_options, max_inflight=max_inflight, threads=threads, **kwargs,
+        root,
+        rank=rank,
+        world_size=world_size,
+        keep_last=keep_last,
+        compression=compression,
+        storage_options=storage_options,
+        max_inflight=max_inflight,
+        threads=threads,
+        **kwargs,
     )
     return _default
 
@@ -44,14 +51,20 @@ def _get() -> Checkpointer:
     return _default
 
 
-def save_async(state: Any, *, step: int | None = None, overlap: bool = False,
-               training: dict[str, Any] | None = None) -> SaveHandle:
+def save_async(
+    state: Any,
+    *,
+    step: int | None = None,
+    overlap: bool = False,
+    training: dict[str, Any] | None = None,
+) -> SaveHandle:
     """Stage ``state`` into host memory and write it in the background."""
     return _get().save_async(state, step=step, overlap=overlap, training=training)
 
 
-def save(state: Any, *, step: int | None = None,
-         training: dict[str, Any] | None = None) -> SaveResult:
+def save(
+    state: Any, *, step: int | None = None, training: dict[str, Any] | None = None
+) -> SaveResult:
     """Save and return once the step is committed on every rank."""
     return _get().save(state, step=step, training=training)
 

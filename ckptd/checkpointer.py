@@ -32,7 +32,15 @@ from ckptd.storage import Storage, open_storage
 from ckptd.writer import codecs
 from ckptd.writer import commit as C
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
-from ckptd.writer.pipeline import RankWriter, Round, Share, n_files, plan_rounds, stage, stored_bytes
+from ckptd.writer.pipeline import (
+    RankWriter,
+    Round,
+    Share,
+    n_files,
+    plan_rounds,
+    stage,
+    stored_bytes,
+)
 from ckptd.writer.staging import Arena, StagingPool
 
 log = logging.getLogger("ckptd")
@@ -78,8 +86,10 @@ def _agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
         dist.broadcast_object_list(box, src=0)
         return str(box[0])
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return (f"{os.environ['TORCHELASTIC_RUN_ID']}-r"
-                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        return (
+            f"{os.environ['TORCHELASTIC_RUN_ID']}-r"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
     if world_size == 1:
         return uuid.uuid4().hex[:12]
     raise CkptdError(
@@ -139,8 +149,14 @@ class Checkpointer:
         _live.add(self)
 
     # ------------------------------------------------------------------ saving
-    def save_async(self, state: Any, *, step: int | None = None, overlap: bool = False,
-                   training: dict[str, Any] | None = None) -> SaveHandle:
+    def save_async(
+        self,
+        state: Any,
+        *,
+        step: int | None = None,
+        overlap: bool = False,
+        training: dict[str, Any] | None = None,
+    ) -> SaveHandle:
         """Stage ``state`` into host memory and write it in the background.
 
         Returns once the state is staged: the caller may then modify every tensor. With
@@ -154,8 +170,9 @@ class Checkpointer:
         inflight = [h for h in self._handles if not h.done()]
         if len(inflight) >= self.max_inflight:
             if self.on_busy == "skip":
-                log.warning("ckptd: step %d skipped: %d save(s) still in flight", step,
-                            len(inflight))
+                log.warning(
+                    "ckptd: step %d skipped: %d save(s) still in flight", step, len(inflight)
+                )
                 return SkippedHandle(step, self.url)
             for h in inflight[: len(inflight) - self.max_inflight + 1]:
                 h._committed.exception()  # wait; errors surface through _raise_pending
@@ -163,29 +180,39 @@ class Checkpointer:
         self._seq += 1
         described = describe(state, self.rank, self.world_size)
         share = Share(
-            step=step, attempt=f"{self.run_id}-{self._seq:06d}", rank=self.rank,
+            step=step,
+            attempt=f"{self.run_id}-{self._seq:06d}",
+            rank=self.rank,
             world_size=self.world_size,
             declared={p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces},
             values=_json_copy(described.values) if self.rank == 0 else {},
-            locals=_json_copy({k: v for k, v in described.locals.items()
-                               if not isinstance(v, torch.Tensor)}),
+            locals=_json_copy(
+                {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
+            ),
             training=_json_copy(training or {}),
         )
-        rounds = plan_rounds([p for p in described.pieces if p.is_writer], self.threads,
-                             self.host_budget_bytes)
+        rounds = plan_rounds(
+            [p for p in described.pieces if p.is_writer], self.threads, self.host_budget_bytes
+        )
         if len(rounds) > 1 and overlap:
             raise CkptdError(
                 f"step {step}: overlap=True needs the state staged at once, but it needs "
                 f"{sum(r.nbytes for r in rounds)} bytes and the host budget is "
-                f"{self.host_budget_bytes}")
+                f"{self.host_budget_bytes}"
+            )
         handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
         job = _Job(share, rounds, handle)
         if len(rounds) > 1:
-            log.warning("ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
-                        "writing it in %d blocking rounds", step, sum(r.nbytes for r in rounds),
-                        self.host_budget_bytes, len(rounds))
+            log.warning(
+                "ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
+                "writing it in %d blocking rounds",
+                step,
+                sum(r.nbytes for r in rounds),
+                self.host_budget_bytes,
+                len(rounds),
+            )
             try:
                 job.chunks = self._writer.write_rounds(share, rounds)
             except BaseException as e:
@@ -215,8 +242,9 @@ class Checkpointer:
             handle.stall_s = time.perf_counter() - t0
         return handle
 
-    def save(self, state: Any, *, step: int | None = None,
-             training: dict[str, Any] | None = None) -> SaveResult:
+    def save(
+        self, state: Any, *, step: int | None = None, training: dict[str, Any] | None = None
+    ) -> SaveResult:
         """``save_async(...).result()``: returns once committed on every rank."""
         return self.save_async(state, step=step, training=training).result()
 
@@ -238,14 +266,18 @@ class Checkpointer:
             self._writer.write_partial(share, job.chunks)
             partial_written = True
             if self.rank == 0:
-                C.coordinate(self.storage, share.step, share.attempt, self.world_size,
-                             self.run_id)
+                C.coordinate(self.storage, share.step, share.attempt, self.world_size, self.run_id)
                 if self.keep_last > 0:
                     C.apply_retention(self.storage, self.keep_last)
             else:
                 C.wait_committed(self.storage, share.step, share.attempt)
-            result = SaveResult(share.step, h.url, stored_bytes(job.chunks), h.stall_s,
-                                time.perf_counter() - t_staged)
+            result = SaveResult(
+                share.step,
+                h.url,
+                stored_bytes(job.chunks),
+                h.stall_s,
+                time.perf_counter() - t_staged,
+            )
             self._record(result)
             h._set_committed(result)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
@@ -255,9 +287,15 @@ class Checkpointer:
             h._set_failed(e)
 
     def _record(self, r: SaveResult) -> None:
-        line = {"step": r.step, "rank": self.rank, "world_size": self.world_size,
-                "nbytes": r.nbytes, "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
-                "time": time.time()}
+        line = {
+            "step": r.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "nbytes": r.nbytes,
+            "stall_s": round(r.stall_s, 6),
+            "write_s": round(r.write_s, 6),
+            "time": time.time(),
+        }
         log.info("ckptd save %s", json.dumps(line))
         if self.rank == 0:
             try:
@@ -268,8 +306,11 @@ class Checkpointer:
     def _next_step(self, state: Any, step: int | None) -> int:
         if step is not None:
             return int(step)
-        if isinstance(state, dict) and isinstance(state.get("step"), int) \
-                and not isinstance(state.get("step"), bool):
+        if (
+            isinstance(state, dict)
+            and isinstance(state.get("step"), int)
+            and not isinstance(state.get("step"), bool)
+        ):
             return int(state["step"])
         if self._last_step is not None:
             return self._last_step + 1
@@ -312,7 +353,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ reading
     def latest_step(self) -> int | None:
-        """Newest committed step under the root (finalising complete-but-uncommitted newer steps)."""
+        """Newest committed step under the root; finalises complete-but-uncommitted newer steps."""
         committed = C.committed_steps(self.storage)
         newest = committed[-1] if committed else -1
         for s in reversed(C.all_steps(self.storage)):
@@ -342,8 +383,16 @@ class Checkpointer:
                 raise CheckpointNotFound(f"{self.url}: no committed checkpoint")
         manifest = self.read_manifest(step)
         described = describe(state, self.rank, self.world_size)
-        nbytes = load_into(self.storage, L.step_dir(step), manifest, described, rank=self.rank,
-                           world_size=self.world_size, strict=strict, pool=self._io)
+        nbytes = load_into(
+            self.storage,
+            L.step_dir(step),
+            manifest,
+            described,
+            rank=self.rank,
+            world_size=self.world_size,
+            strict=strict,
+            pool=self._io,
+        )
         self._last_step = max(self._last_step or step, step)
         return LoadResult(step, f"{self.url}/{L.step_dir(step)}", nbytes, dict(manifest.training))
 

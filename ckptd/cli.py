@@ -28,8 +28,10 @@ def split_ckpt(url: str) -> tuple[str, int | None]:
     return url.rstrip("/") or url, None
 
 
-def open_ckpt(url: str, storage_options: dict[str, Any] | None = None,
-              ) -> tuple[Storage, int, Manifest]:
+def open_ckpt(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[Storage, int, Manifest]:
     root, step = split_ckpt(url)
     storage = open_storage(root, storage_options)
     if step is None:
@@ -72,23 +74,50 @@ def _progress(total: int, desc: str) -> Any:
 # ----------------------------------------------------------------------------- commands
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.root, args.storage_options)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in C.all_steps(storage):
         try:
             m = decode(storage.read_bytes(L.manifest_path(step)), L.manifest_path(step))
-            rows.append({"step": step, "committed": True, "world_size": m.world_size,
-                         "nbytes": m.nbytes, "tensors": len(m.tensors),
-                         "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))})
+            rows.append(
+                {
+                    "step": step,
+                    "committed": True,
+                    "world_size": m.world_size,
+                    "nbytes": m.nbytes,
+                    "tensors": len(m.tensors),
+                    "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)),
+                }
+            )
         except FileNotFoundError:
-            rows.append({"step": step, "committed": False, "world_size": None, "nbytes": None,
-                         "tensors": None, "created": None})
+            rows.append(
+                {
+                    "step": step,
+                    "committed": False,
+                    "world_size": None,
+                    "nbytes": None,
+                    "tensors": None,
+                    "created": None,
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(_table([[r["step"], "yes" if r["committed"] else "no (incomplete)",
-                       r["world_size"] or "", _human(r["nbytes"]) if r["nbytes"] is not None else "",
-                       r["tensors"] or "", r["created"] or ""] for r in rows],
-                     ["step", "committed", "world", "size", "tensors", "created"]))
+        print(
+            _table(
+                [
+                    [
+                        r["step"],
+                        "yes" if r["committed"] else "no (incomplete)",
+                        r["world_size"] or "",
+                        _human(r["nbytes"]) if r["nbytes"] is not None else "",
+                        r["tensors"] or "",
+                        r["created"] or "",
+                    ]
+                    for r in rows
+                ],
+                ["step", "committed", "world", "size", "tensors", "created"],
+            )
+        )
     return 0
 
 
@@ -98,17 +127,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(m.to_json(), indent=1))
         return 0
     print(f"checkpoint {storage.url}/{L.step_dir(step)}")
-    print(f"step {m.step}   world size {m.world_size}   attempt {m.attempt}   "
-          f"{_human(m.nbytes)} in {len({c.file for t in m.tensors.values() for c in t.chunks})} "
-          f"files   saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}")
+    print(
+        f"step {m.step}   world size {m.world_size}   attempt {m.attempt}   "
+        f"{_human(m.nbytes)} in {len({c.file for t in m.tensors.values() for c in t.chunks})} "
+        f"files   saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}"
+    )
     rows = []
     for name, t in sorted(m.tensors.items()):
         codecs = sorted({c.codec for c in t.chunks})
         ranks = sorted({c.rank for c in t.chunks})
         rank_s = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
-        rows.append([name, str(t.dtype).removeprefix("torch."), "x".join(map(str, t.shape)) or "()",
-                     len(t.chunks), _human(sum(c.length for c in t.chunks)), rank_s,
-                     "/".join(codecs)])
+        rows.append(
+            [
+                name,
+                str(t.dtype).removeprefix("torch."),
+                "x".join(map(str, t.shape)) or "()",
+                len(t.chunks),
+                _human(sum(c.length for c in t.chunks)),
+                rank_s,
+                "/".join(codecs),
+            ]
+        )
     print(_table(rows, ["tensor", "dtype", "shape", "chunks", "bytes", "ranks", "codec"]))
     if m.values:
         print("values: " + json.dumps(m.values, sort_keys=True)[:2000])
@@ -123,19 +162,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     storage, step, m = open_ckpt(args.ckpt, args.storage_options)
     bar = _progress(m.nbytes, "verify")
     with ThreadPoolExecutor(config.io_threads()) as pool:
-        report = verify(storage, L.step_dir(step), m, pool,
-                        progress=bar.update if bar is not None else None)
+        report = verify(
+            storage, L.step_dir(step), m, pool, progress=bar.update if bar is not None else None
+        )
     if bar is not None:
         bar.close()
-    out = {"step": step, "ok": report.ok, "tensors": report.tensors, "chunks": report.chunks,
-           "bytes_read": report.bytes_read, "overlaps_checked": report.overlaps_checked,
-           "problems": report.problems}
+    out = {
+        "step": step,
+        "ok": report.ok,
+        "tensors": report.tensors,
+        "chunks": report.chunks,
+        "bytes_read": report.bytes_read,
+        "overlaps_checked": report.overlaps_checked,
+        "problems": report.problems,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
     elif report.ok:
-        print(f"ok: step {step}: {report.tensors} tensors, {report.chunks} chunks, "
-              f"{_human(report.bytes_read)} re-read, {report.overlaps_checked} overlapping "
-              "copies agree")
+        print(
+            f"ok: step {step}: {report.tensors} tensors, {report.chunks} chunks, "
+            f"{_human(report.bytes_read)} re-read, {report.overlaps_checked} overlapping "
+            "copies agree"
+        )
     else:
         for p in report.problems:
             print(f"FAIL: {p}", file=sys.stderr)
@@ -145,8 +193,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_finalize(args: argparse.Namespace) -> int:
     root, step = split_ckpt(args.ckpt)
     storage = open_storage(root, args.storage_options)
-    steps = [step] if step is not None else [
-        s for s in C.all_steps(storage) if s not in C.committed_steps(storage)]
+    steps = (
+        [step]
+        if step is not None
+        else [s for s in C.all_steps(storage) if s not in C.committed_steps(storage)]
+    )
     done = []
     for s in steps:
         if C.finalize(storage, s) is not None:
@@ -165,8 +216,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     removed_old = C.apply_retention(storage, args.keep_last) if args.keep_last else []
     removed_incomplete = C.gc_incomplete(storage)
     out = {"removed_committed": removed_old, "removed_incomplete": removed_incomplete}
-    print(json.dumps(out) if args.json else
-          f"removed {len(removed_old)} old committed and {len(removed_incomplete)} incomplete steps")
+    print(
+        json.dumps(out)
+        if args.json
+        else f"removed {len(removed_old)} old committed, {len(removed_incomplete)} incomplete steps"
+    )
     return 0
 
 
@@ -175,8 +229,12 @@ Command = Callable[[argparse.Namespace], int]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description=__doc__)
-    p.add_argument("--storage-options", type=json.loads, default=None,
-                   help="JSON dict passed to fsspec (e.g. an S3 endpoint)")
+    p.add_argument(
+        "--storage-options",
+        type=json.loads,
+        default=None,
+        help="JSON dict passed to fsspec (e.g. an S3 endpoint)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Command, help_: str) -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 ::
 
     CkptdError                      every error ckptd raises on purpose
-    ├── CorruptCheckpoint (ValueError)        bytes or manifest on storage are wrong: names file + tensor
+    ├── CorruptCheckpoint (ValueError)        bad bytes or manifest on storage: names file + tensor
     ├── CheckpointNotFound (FileNotFoundError) no committed checkpoint where one was asked for
     ├── StateMismatch (ValueError)            the destination state does not fit the checkpoint
     ├── StorageError (OSError)                the storage refused a write/read (full disk, network)

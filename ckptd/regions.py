@@ -58,11 +58,13 @@ class Box:
     def contains(self, other: Box) -> bool:
         return all(
             so <= oo and oe <= se
-            for so, se, oo, oe in zip(self.offsets, self.ends, other.offsets, other.ends, strict=True)
+            for so, se, oo, oe in zip(
+                self.offsets, self.ends, other.offsets, other.ends, strict=True
+            )
         )
 
     def within(self, outer: Box) -> tuple[slice, ...]:
-        """Index of this box inside a tensor that holds exactly ``outer`` (which must contain it)."""
+        """Index of this box inside a tensor holding exactly ``outer`` (which must contain it)."""
         return tuple(
             slice(o - oo, o - oo + s)
             for o, s, oo in zip(self.offsets, self.sizes, outer.offsets, strict=True)

@@ -188,7 +188,13 @@ def describe(state: Any, rank: int, world_size: int) -> Described:
             if isinstance(leaf.value, torch.Tensor):
                 t = leaf.value
                 out.pieces.append(
-                    Piece(local_name(rank, path), tuple(t.shape), t.dtype, Box.whole(tuple(t.shape)), t)
+                    Piece(
+                        local_name(rank, path),
+                        tuple(t.shape),
+                        t.dtype,
+                        Box.whole(tuple(t.shape)),
+                        t,
+                    )
                 )
             else:
                 _check_json(path, leaf.value)
@@ -199,8 +205,15 @@ def describe(state: Any, rank: int, world_size: int) -> Described:
             out.pieces.append(_dtensor_piece(path, leaf))
         elif isinstance(leaf, torch.Tensor):
             out.pieces.append(
-                Piece(path, tuple(leaf.shape), leaf.dtype, Box.whole(tuple(leaf.shape)), leaf,
-                      replica=rank, replicas=world_size)
+                Piece(
+                    path,
+                    tuple(leaf.shape),
+                    leaf.dtype,
+                    Box.whole(tuple(leaf.shape)),
+                    leaf,
+                    replica=rank,
+                    replicas=world_size,
+                )
             )
         elif isinstance(leaf, Shard):
             out.pieces.append(_shard_piece(path, leaf))
@@ -324,8 +337,15 @@ def _flat_pieces(parent: str, path: str, leaf: FlatShard) -> list[Piece]:
             view = local[offset_in_local : offset_in_local + n].view(bx.sizes)
             offset_in_local += n
             pieces.append(
-                Piece(_join(parent, name), gshape, local.dtype, bx.shift(mbox.offsets), view,
-                      leaf.replica, leaf.replicas)
+                Piece(
+                    _join(parent, name),
+                    gshape,
+                    local.dtype,
+                    bx.shift(mbox.offsets),
+                    view,
+                    leaf.replica,
+                    leaf.replicas,
+                )
             )
     return pieces
 
@@ -338,10 +358,14 @@ def _fused_pieces(parent: str, path: str, leaf: Fused) -> list[Piece]:
     pieces, cursor = [], 0
     for part in leaf.parts:
         if len(part) != 4:
-            raise StateMismatch(f"{path}: a part is (name, global_shape, offsets, sizes), got {part!r}")
+            raise StateMismatch(
+                f"{path}: a part is (name, global_shape, offsets, sizes), got {part!r}"
+            )
         name = f"{parent}/{part[0]}" if parent else str(part[0])
         gshape = _tuple(name, "global_shape", part[1])
-        box = _checked_box(name, gshape, _tuple(name, "offsets", part[2]), _tuple(name, "sizes", part[3]))
+        box = _checked_box(
+            name, gshape, _tuple(name, "offsets", part[2]), _tuple(name, "sizes", part[3])
+        )
         view = local.narrow(dim, cursor, box.sizes[dim])
         if tuple(view.shape) != box.sizes:
             raise StateMismatch(
@@ -352,7 +376,8 @@ def _fused_pieces(parent: str, path: str, leaf: Fused) -> list[Piece]:
         pieces.append(Piece(name, gshape, local.dtype, box, view, leaf.replica, leaf.replicas))
     if cursor != local.shape[dim]:
         raise StateMismatch(
-            f"{path}: parts cover {cursor} of {local.shape[dim]} along dim {dim} of the fused tensor"
+            f"{path}: parts cover {cursor} of {local.shape[dim]} along dim {dim} "
+            "of the fused tensor"
         )
     return pieces
 
@@ -366,7 +391,9 @@ def _dtensor_piece(path: str, dt: Any) -> Piece:
     gshape = tuple(dt.shape)
     local = dt.to_local()
     if coord is None:  # this rank is not part of the mesh: it holds nothing
-        return Piece(path, gshape, dt.dtype, Box((0,) * len(gshape), (0,) * len(gshape)), local, 0, 1)
+        return Piece(
+            path, gshape, dt.dtype, Box((0,) * len(gshape), (0,) * len(gshape)), local, 0, 1
+        )
     offsets = [0] * len(gshape)
     sizes = list(gshape)
     replica, replicas = 0, 1

@@ -19,8 +19,14 @@ import torch.multiprocessing as mp
 
 import ckptd
 
-SHAPES = {"embed": (50, 16), "attn.qkv": (48, 16), "attn.out": (16, 16), "mlp.up": (64, 16),
-          "mlp.down": (16, 64), "norm": (16,)}
+SHAPES = {
+    "embed": (50, 16),
+    "attn.qkv": (48, 16),
+    "attn.out": (16, 16),
+    "mlp.up": (64, 16),
+    "mlp.down": (16, 64),
+    "norm": (16,),
+}
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -39,7 +45,11 @@ def state_for(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float |
     model = {}
     for name, t in ref.items():
         start, n = rows(t.shape[0], rank, world)
-        local = t[start : start + n].clone() if fill is None else torch.full_like(t[start : start + n], fill)
+        local = (
+            t[start : start + n].clone()
+            if fill is None
+            else torch.full_like(t[start : start + n], fill)
+        )
         model[name] = ckptd.Shard(local, t.shape, (start,) + (0,) * (t.dim() - 1))
     # ZeRO-1: one flat buffer of all parameters' Adam moments, padded, split evenly over ranks.
     flat = torch.cat([t.reshape(-1) for t in ref.values()])
@@ -63,8 +73,10 @@ def worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
     if mode == "save":
         result = ckptd.save(state_for(rank, world, ref, None))
         if rank == 0:
-            print(f"saved step {result.step} from {world} ranks: {result.nbytes} bytes by rank 0, "
-                  f"stall {result.stall_s * 1e3:.1f} ms")
+            print(
+                f"saved step {result.step} from {world} ranks: {result.nbytes} bytes by rank 0, "
+                f"stall {result.stall_s * 1e3:.1f} ms"
+            )
     else:
         state = state_for(rank, world, ref, fill=float("nan"))
         loaded = ckptd.load(state)
@@ -73,11 +85,15 @@ def worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
             assert torch.equal(state["model"][name].local, expect["model"][name].local), name
         for moment in ("exp_avg", "exp_avg_sq"):
             got, want = state["optim"][moment]["flat"].local, expect["optim"][moment]["flat"].local
-            used = min(got.numel(), max(0, sum(t.numel() for t in ref.values()) - rank * got.numel()))
+            used = min(
+                got.numel(), max(0, sum(t.numel() for t in ref.values()) - rank * got.numel())
+            )
             assert torch.equal(got[:used], want[:used]), moment
         if rank == 0:
-            print(f"loaded step {loaded.step} on {world} ranks: bit-exact "
-                  f"({loaded.nbytes_read} bytes read by rank 0)")
+            print(
+                f"loaded step {loaded.step} on {world} ranks: bit-exact "
+                f"({loaded.nbytes_read} bytes read by rank 0)"
+            )
     ckptd.wait()
     dist.destroy_process_group()
 
@@ -94,8 +110,9 @@ def main() -> None:
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ckptd-example-")
     for world, mode in ((4, "save"), (3, "load")):
-        mp.start_processes(worker, args=(world, free_port(), root, mode), nprocs=world,
-                           start_method="fork")
+        mp.start_processes(
+            worker, args=(world, free_port(), root, mode), nprocs=world, start_method="fork"
+        )
     print(f"checkpoint in {root}; try: ckptd inspect {root}")
 
 

@@ -18,10 +18,13 @@ from ckptd.manifest import layout as L
 def saved(tmp_path):
     root = str(tmp_path / "root")
     with ckptd.Checkpointer(root) as c:
-        c.save({"model": {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)},
-                "step": 1})
-        c.save({"model": {"w": torch.arange(64.0).reshape(8, 8) * 2, "b": torch.ones(3) * 2},
-                "step": 2})
+        c.save({"model": {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)}, "step": 1})
+        c.save(
+            {
+                "model": {"w": torch.arange(64.0).reshape(8, 8) * 2, "b": torch.ones(3) * 2},
+                "step": 2,
+            }
+        )
     return root
 
 
@@ -30,8 +33,11 @@ def _dest():
 
 
 def _untouched(dst) -> bool:
-    return (torch.equal(dst["model"]["w"], torch.full((8, 8), -1.0))
-            and torch.equal(dst["model"]["b"], torch.full((3,), -1.0)) and dst["step"] == -1)
+    return (
+        torch.equal(dst["model"]["w"], torch.full((8, 8), -1.0))
+        and torch.equal(dst["model"]["b"], torch.full((3,), -1.0))
+        and dst["step"] == -1
+    )
 
 
 def _manifest(root, step=2):
@@ -72,8 +78,9 @@ def test_missing_manifest_is_not_a_checkpoint_and_latest_falls_back(saved):
     assert torch.equal(dst["model"]["w"], torch.arange(64.0).reshape(8, 8))
 
 
-@pytest.mark.parametrize("content", [b"", b"{\"format\": \"ckptd\", \"vers", b"\x00\xff garbage",
-                                     b"[1, 2, 3]"])
+@pytest.mark.parametrize(
+    "content", [b"", b'{"format": "ckptd", "vers', b"\x00\xff garbage", b"[1, 2, 3]"]
+)
 def test_truncated_or_garbage_manifest_is_corrupt(saved, content):
     with open(_manifest(saved), "wb") as f:
         f.write(content)
@@ -119,11 +126,14 @@ def test_truncated_data_file_is_corrupt(saved):
     assert _untouched(dst)
 
 
-@pytest.mark.parametrize("evil", ["../../../../etc/passwd", "/etc/passwd", "data/../../x.bin",
-                                  "s3://other/bucket", "data/./x"])
+@pytest.mark.parametrize(
+    "evil",
+    ["../../../../etc/passwd", "/etc/passwd", "data/../../x.bin", "s3://other/bucket", "data/./x"],
+)
 def test_a_path_escaping_the_checkpoint_directory_is_refused(saved, evil):
     def poison(doc):
         doc["tensors"]["model/b"]["chunks"][0]["file"] = evil
+
     _rewrite_manifest(saved, poison)
     dst = _dest()
     with pytest.raises(ckptd.CorruptCheckpoint, match="model/b.*escapes the checkpoint directory"):
@@ -160,7 +170,9 @@ def test_saved_tensor_nobody_asks_for_is_a_mismatch_when_strict(saved):
 def test_wrong_shape_or_dtype_is_always_a_mismatch(saved):
     dst = _dest()
     dst["model"]["w"] = torch.full((8, 4), -1.0)
-    with pytest.raises(ckptd.StateMismatch, match=r"model/w: saved shape \(8, 8\), destination \(8, 4\)"):
+    with pytest.raises(
+        ckptd.StateMismatch, match=r"model/w: saved shape \(8, 8\), destination \(8, 4\)"
+    ):
         _load(saved, dst, strict=False)
     dst = _dest()
     dst["model"]["b"] = torch.full((3,), -1, dtype=torch.int64)

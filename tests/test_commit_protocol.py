@@ -8,17 +8,18 @@ import subprocess
 
 import pytest
 import torch
+from faulty_storage import FailAfterBytes
 
 import ckptd
 from ckptd import config
 from ckptd.errors import ForeignWriter, StorageError
 from ckptd.manifest import layout as L
-from faulty_storage import FailAfterBytes
 
 
 def _sim(url, world, run_id="job", **kw):
-    return [ckptd.Checkpointer(url, rank=r, world_size=world, run_id=run_id, **kw)
-            for r in range(world)]
+    return [
+        ckptd.Checkpointer(url, rank=r, world_size=world, run_id=run_id, **kw) for r in range(world)
+    ]
 
 
 def test_a_straggler_of_an_earlier_world_is_never_merged(tmp_path):
@@ -29,8 +30,10 @@ def test_a_straggler_of_an_earlier_world_is_never_merged(tmp_path):
         straggler = old.save_async({"w": ckptd.Shard(torch.full((2,), 666.0), (4,), (2,))}, step=5)
         # The new world (2 ranks) saves the same step under its own attempt.
         new = _sim(url, 2, run_id="new-world")
-        hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))}, step=5)
-              for r, c in enumerate(new)]
+        hs = [
+            c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))}, step=5)
+            for r, c in enumerate(new)
+        ]
         for h in hs:
             h.result()
         with pytest.raises(ckptd.CkptdError, match="not committed|no commit"):
@@ -60,11 +63,16 @@ def test_two_jobs_on_one_root_fail_loudly(tmp_path):
 
 def test_a_hole_in_coverage_fails_the_save_naming_the_tensor(tmp_path):
     cs = _sim(str(tmp_path), 2)
-    hs = [c.save_async({"w": ckptd.Shard(torch.ones(3, 4), (8, 4), (r * 3, 0))}, step=1)
-          for r, c in enumerate(cs)]
+    hs = [
+        c.save_async({"w": ckptd.Shard(torch.ones(3, 4), (8, 4), (r * 3, 0))}, step=1)
+        for r, c in enumerate(cs)
+    ]
     for h in hs:  # every rank raises the coordinator's error, with its class
-        with pytest.raises(ckptd.StateMismatch, match=r"w: elements at offsets \[6, 0\] sizes "
-                                                      r"\[2, 4\] of shape \[8, 4\]"):
+        with pytest.raises(
+            ckptd.StateMismatch,
+            match=r"w: elements at offsets \[6, 0\] sizes "
+            r"\[2, 4\] of shape \[8, 4\]",
+        ):
             h.result()
     assert not os.path.exists(tmp_path / L.manifest_path(1))
     for c in cs:
@@ -106,8 +114,9 @@ def test_storage_failure_surfaces_once_and_latest_stays_on_previous(tmp_path):
 
 def _tiny_tmpfs(path) -> bool:
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(path)], capture_output=True
+    )
     return r.returncode == 0
 
 

@@ -8,25 +8,28 @@ import random
 import signal
 
 import torch
+from faulty_storage import KillAtOp
 
 import ckptd
 from ckptd import config
-from faulty_storage import KillAtOp
 
 N = 1 << 15
 
 
 def _state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"model": {"a": torch.randn(N, generator=g), "b": torch.randn(64, 64, generator=g)},
-            "step": step}
+    return {
+        "model": {"a": torch.randn(N, generator=g), "b": torch.randn(64, 64, generator=g)},
+        "step": step,
+    }
 
 
 def _child(root: str, step: int, kill_at: int) -> None:
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     with config.override(min_file_bytes=1 << 14):
-        c = ckptd.Checkpointer(root, run_id=f"run-{step}", storage=KillAtOp(root, kill_at),
-                               threads=2, keep_last=2)
+        c = ckptd.Checkpointer(
+            root, run_id=f"run-{step}", storage=KillAtOp(root, kill_at), threads=2, keep_last=2
+        )
         c.save(_state(step))
         c.close()
 

@@ -3,12 +3,12 @@ a plain model, DDP and FSDP2, saved on one world and resumed on another."""
 
 from __future__ import annotations
 
+import multirank
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ckptd
-import multirank
 
 
 def _model() -> torch.nn.Module:

@@ -3,9 +3,26 @@
 import ckptd
 
 API_NAMES = {
-    "init", "save_async", "save", "wait", "latest_step", "load", "Checkpointer", "SaveHandle",
-    "SaveResult", "LoadResult", "Shard", "FlatShard", "Fused", "Local", "CkptdError",
-    "CorruptCheckpoint", "StateMismatch", "on_preemption", "preempted", "elastic",
+    "init",
+    "save_async",
+    "save",
+    "wait",
+    "latest_step",
+    "load",
+    "Checkpointer",
+    "SaveHandle",
+    "SaveResult",
+    "LoadResult",
+    "Shard",
+    "FlatShard",
+    "Fused",
+    "Local",
+    "CkptdError",
+    "CorruptCheckpoint",
+    "StateMismatch",
+    "on_preemption",
+    "preempted",
+    "elastic",
 }
 
 

@@ -12,8 +12,10 @@ from ckptd.writer.handle import Phase
 
 
 def _state(v: float, n: int = 4096) -> dict:
-    return {"model": {"a": torch.full((n,), v), "b": torch.full((64, 64), v)},
-            "optim": {"m": torch.full((n,), -v)}}
+    return {
+        "model": {"a": torch.full((n,), v), "b": torch.full((64, 64), v)},
+        "optim": {"m": torch.full((n,), -v)},
+    }
 
 
 def _load(c: ckptd.Checkpointer, step: int | None = None) -> dict:
@@ -68,8 +70,9 @@ def test_staging_buffers_are_reused_and_grow_only_when_the_state_grows(tmp_path)
 def test_on_busy_skip_drops_the_new_save_and_says_so(tmp_path, caplog):
     from ckptd import config
 
-    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=2, run_id="j",
-                            on_busy="skip") as c:
+    with ckptd.Checkpointer(
+        str(tmp_path / "r"), rank=0, world_size=2, run_id="j", on_busy="skip"
+    ) as c:
         with config.override(commit_timeout_s=5.0):
             first = c.save_async(_state(1.0), step=1)  # waits for rank 1's partial
             with caplog.at_level(logging.WARNING, logger="ckptd"):

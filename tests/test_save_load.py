@@ -13,9 +13,11 @@ from ckptd.manifest import layout as L
 
 def save_as_ranks(url, states, step):
     """Simulate a world of len(states) ranks in one process: no collectives are needed to save."""
-    ckpts = [ckptd.Checkpointer(url, rank=r, world_size=len(states), run_id="sim")
-             for r in range(len(states))]
-    handles = [c.save_async(s, step=step) for c, s in zip(ckpts, states)]
+    ckpts = [
+        ckptd.Checkpointer(url, rank=r, world_size=len(states), run_id="sim")
+        for r in range(len(states))
+    ]
+    handles = [c.save_async(s, step=step) for c, s in zip(ckpts, states, strict=True)]
     results = [h.result() for h in handles]
     for c in ckpts:
         c.close()
@@ -41,13 +43,20 @@ def _ref():
 
 def test_plain_tensors_values_and_training_round_trip(ckpt):
     ref = _ref()
-    state = {"model": {k: v.clone() for k, v in ref.items()}, "step": 7,
-             "loader": {"consumed": 1234, "seed": 5, "name": "c4", "frac": 0.25, "none": None},
-             "empty": {}}
+    state = {
+        "model": {k: v.clone() for k, v in ref.items()},
+        "step": 7,
+        "loader": {"consumed": 1234, "seed": 5, "name": "c4", "frac": 0.25, "none": None},
+        "empty": {},
+    }
     res = ckpt.save(state, training={"global_batch": 64})
     assert res.step == 7
-    dst = {"model": {k: torch.zeros_like(v) for k, v in ref.items()}, "step": 0,
-           "loader": {"consumed": 0, "seed": 0, "name": "", "frac": 0.0, "none": 1}, "empty": {}}
+    dst = {
+        "model": {k: torch.zeros_like(v) for k, v in ref.items()},
+        "step": 0,
+        "loader": {"consumed": 0, "seed": 0, "name": "", "frac": 0.0, "none": 1},
+        "empty": {},
+    }
     out = ckpt.load(dst)
     assert out.step == 7
     assert out.training == {"global_batch": 64}
@@ -74,22 +83,29 @@ def test_flat_shards_load_into_boxes_and_back(ckpt):
     # three uneven flat shards with 5 elements of padding at the end
     padded = torch.cat([flat, torch.full((5,), -7.0)])
     cuts = [0, 13, 50, padded.numel()]
-    save_as_ranks(ckpt.url, [
-        {"o": {"buf": ckptd.FlatShard(padded[lo:hi].clone(), members, lo)}}
-        for lo, hi in zip(cuts, cuts[1:])], step=3)
+    save_as_ranks(
+        ckpt.url,
+        [
+            {"o": {"buf": ckptd.FlatShard(padded[lo:hi].clone(), members, lo)}}
+            for lo, hi in zip(cuts, cuts[1:], strict=False)
+        ],
+        step=3,
+    )
     # load the same logical tensors as boxes
     dst_w = torch.full((3, 10), float("nan"))
     dst_v = torch.full((7,), float("nan"))
-    ckpt.load({"o": {"w": ckptd.Shard(dst_w, (6, 10), (3, 0)), "v": dst_v}}, step=3,
-              strict=False)
+    ckpt.load({"o": {"w": ckptd.Shard(dst_w, (6, 10), (3, 0)), "v": dst_v}}, step=3, strict=False)
     assert torch.equal(dst_w, ref["w"][3:6])
     assert torch.equal(dst_v, torch.zeros(7))
 
 
 def test_fused_parts_are_separate_logical_tensors(ckpt):
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
-    parts = [("q", (4, 3), (0, 0), (4, 3)), ("k", (2, 3), (0, 0), (2, 3)),
-             ("v", (2, 3), (0, 0), (2, 3))]
+    parts = [
+        ("q", (4, 3), (0, 0), (4, 3)),
+        ("k", (2, 3), (0, 0), (2, 3)),
+        ("v", (2, 3), (0, 0), (2, 3)),
+    ]
     ckpt.save({"attn": {"qkv": ckptd.Fused(torch.cat([q, k, v]), 0, parts)}}, step=1)
     dst = {"attn": {"q": torch.zeros(4, 3), "k": torch.zeros(2, 3), "v": torch.zeros(2, 3)}}
     ckpt.load(dst)
@@ -103,9 +119,14 @@ def test_padded_vocabulary_rows_are_neither_saved_nor_read(ckpt):
     ref = torch.randn(vocab, hidden)
     # TP=2, vocab padded to 14: rank 1's local tensor has one padding row
     padded = [ref[0:7].clone(), torch.cat([ref[7:13], torch.full((1, hidden), 99.0)])]
-    save_as_ranks(ckpt.url, [
-        {"emb": ckptd.Shard(padded[r][: min(7, vocab - 7 * r)], (vocab, hidden), (7 * r, 0))}
-        for r in range(2)], step=1)
+    save_as_ranks(
+        ckpt.url,
+        [
+            {"emb": ckptd.Shard(padded[r][: min(7, vocab - 7 * r)], (vocab, hidden), (7 * r, 0))}
+            for r in range(2)
+        ],
+        step=1,
+    )
     m = ckpt.read_manifest(1)
     assert m.tensors["emb"].shape == (13, 4)
     assert sum(c.length for c in m.tensors["emb"].chunks) == 13 * 4 * 4

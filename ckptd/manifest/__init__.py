@@ -14,6 +14,15 @@ from ckptd.manifest.schema import (
 )
 
 __all__ = [
-    "CHECKSUM", "VERSION", "Chunk", "Frame", "Manifest", "TensorEntry", "decode",
-    "dtype_from_name", "dtype_name", "find_hole", "merge",
+    "CHECKSUM",
+    "VERSION",
+    "Chunk",
+    "Frame",
+    "Manifest",
+    "TensorEntry",
+    "decode",
+    "dtype_from_name",
+    "dtype_name",
+    "find_hole",
+    "merge",
 ]

@@ -24,7 +24,8 @@ def merge(partials: Sequence[Manifest]) -> Manifest:
     ranks = sorted(p.rank for p in partials if p.rank is not None)
     if ranks != list(range(first.world_size)):
         raise CorruptCheckpoint(
-            f"attempt {first.attempt}: partials of ranks {ranks}, expected 0..{first.world_size - 1}"
+            f"attempt {first.attempt}: partials of ranks {ranks}, "
+            f"expected 0..{first.world_size - 1}"
         )
     for p in partials:
         if (p.attempt, p.step, p.world_size) != (first.attempt, first.step, first.world_size):

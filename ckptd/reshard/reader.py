@@ -3,9 +3,9 @@ checksum verified on exactly the bytes read; frames decoded."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-import warnings
 
 import torch
 

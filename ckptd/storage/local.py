@@ -12,7 +12,6 @@ from collections.abc import Iterable, Sequence
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer
 
-
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
 _DIRECT_BLOCK = 64 << 20  # bytes per write() call with O_DIRECT
@@ -192,4 +191,3 @@ def _storage_error(e: OSError, path: str) -> StorageError:
     err = StorageError(f"{path}: {reason}")
     err.errno = e.errno
     return err
-

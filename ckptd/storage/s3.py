@@ -67,12 +67,16 @@ class _Chunker:
         """The next ``size`` bytes (fewer at the end); None when the stream is exhausted."""
         if not self._refill():
             return None
-        out = bytearray()
-        while len(out) < size and self._refill():
-            k = min(size - len(out), len(self._pending))
-            out += self._pending[:k]
+        out = bytearray(size)  # calloc'd: untouched pages cost nothing, filling is the one copy
+        view, filled = memoryview(out), 0
+        while filled < size and self._refill():
+            k = min(size - filled, len(self._pending))
+            view[filled : filled + k] = self._pending[:k]
             self._pending = self._pending[k:]
-        self.total += len(out)
+            filled += k
+        view.release()
+        del out[filled:]
+        self.total += filled
         return out
 
     def at_end(self) -> bool:

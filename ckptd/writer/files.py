@@ -10,6 +10,7 @@ import torch
 from ckptd.manifest import Chunk, Frame
 from ckptd.regions import Box
 from ckptd.storage import Storage
+from ckptd.storage.base import Buffer
 from ckptd.writer import codecs
 from ckptd.writer.pack import FilePlan
 
@@ -33,40 +34,75 @@ def write_file(
     rank: int,
 ) -> ChunkList:
     """Write one data file; return the chunks it holds (with their frames' checksums)."""
-    mem = memoryview(arena.numpy()).cast("B")
+    mem = memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
     chunks: ChunkList = []
     if codec == codecs.RAW:
         # The arena range is the file image: checksum frames in place, then one big write.
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
             frames = tuple(Frame(len(f), codecs.checksum(f)) for f in _frames_of(raw, frame_bytes))
-            chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, s.offset - plan.start,
-                                                s.nbytes, codec, frame_bytes, frames, rank)))
+            chunks.append(
+                (
+                    s.piece.name,
+                    _chunk(
+                        s.piece.box,
+                        rel_path,
+                        s.offset - plan.start,
+                        s.nbytes,
+                        codec,
+                        frame_bytes,
+                        frames,
+                        rank,
+                    ),
+                )
+            )
         storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]])
         return chunks
 
-    parts: list[codecs.Buffer] = []
+    parts: list[Buffer] = []
     cursor = 0
     for s in plan.slots:
         raw = mem[s.offset : s.offset + s.nbytes]
         itemsize = s.piece.view.element_size()
         start = cursor
-        frames = []
+        encoded: list[Frame] = []
         for f in _frames_of(raw, frame_bytes):
             stored = codecs.encode(f, codec, itemsize, level)
-            frames.append(Frame(len(stored), codecs.checksum(stored)))
+            encoded.append(Frame(len(stored), codecs.checksum(stored)))
             parts.append(stored)
             cursor += len(stored)
-        chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, start, s.nbytes, codec,
-                                            frame_bytes, tuple(frames), rank)))
+        chunks.append(
+            (
+                s.piece.name,
+                _chunk(
+                    s.piece.box, rel_path, start, s.nbytes, codec, frame_bytes, tuple(encoded), rank
+                ),
+            )
+        )
     storage.write_file(f"{step_dir}/{rel_path}", parts)
     return chunks
 
 
-def _chunk(box: Box, file: str, offset: int, length: int, codec: str, frame_bytes: int,
-           frames: tuple[Frame, ...], rank: int) -> Chunk:
-    return Chunk(box=box, file=file, offset=offset, length=length, codec=codec,
-                 frame_bytes=frame_bytes, frames=frames, rank=rank)
+def _chunk(
+    box: Box,
+    file: str,
+    offset: int,
+    length: int,
+    codec: str,
+    frame_bytes: int,
+    frames: tuple[Frame, ...],
+    rank: int,
+) -> Chunk:
+    return Chunk(
+        box=box,
+        file=file,
+        offset=offset,
+        length=length,
+        codec=codec,
+        frame_bytes=frame_bytes,
+        frames=frames,
+        rank=rank,
+    )
 
 
 def write_all(
@@ -83,8 +119,9 @@ def write_all(
 ) -> ChunkList:
     """Write every file of the rank in parallel; the first error is raised after all stop."""
     futures = [
-        pool.submit(write_file, storage, step_dir, path, arena, plan, codec, level, frame_bytes,
-                    rank)
+        pool.submit(
+            write_file, storage, step_dir, path, arena, plan, codec, level, frame_bytes, rank
+        )
         for path, plan in zip(paths, plans, strict=True)
     ]
     out: ChunkList = []

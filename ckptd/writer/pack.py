@@ -35,8 +35,9 @@ def _align(n: int, a: int) -> int:
 PIECE_ALIGN = 64  # element alignment for every dtype, and a cache line
 
 
-def pack(pieces: list[Piece], files: int, alignment: int,
-         min_file_bytes: int = 1) -> tuple[list[FilePlan], int]:
+def pack(
+    pieces: list[Piece], files: int, alignment: int, min_file_bytes: int = 1
+) -> tuple[list[FilePlan], int]:
     """Files (at most ``files``, none below ``min_file_bytes`` unless it is the only one) and
     the arena size they need. Each file starts at an ``alignment`` boundary of the arena and is
     padded to one, so it can be written with O_DIRECT in one call; pieces inside a file are only

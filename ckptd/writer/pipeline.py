@@ -28,7 +28,6 @@ from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
-from ckptd.writer import codecs
 from ckptd.writer.files import write_all
 from ckptd.writer.pack import FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
@@ -68,8 +67,17 @@ def split_rows(piece: Piece, max_bytes: int) -> list[Piece]:
     for a in range(0, piece.view.shape[0], per):
         n = min(per, piece.view.shape[0] - a)
         box = Box((piece.box.offsets[0] + a, *piece.box.offsets[1:]), (n, *piece.box.sizes[1:]))
-        out.append(Piece(piece.name, piece.global_shape, piece.dtype, box,
-                         piece.view.narrow(0, a, n), piece.replica, piece.replicas))
+        out.append(
+            Piece(
+                piece.name,
+                piece.global_shape,
+                piece.dtype,
+                box,
+                piece.view.narrow(0, a, n),
+                piece.replica,
+                piece.replicas,
+            )
+        )
     return out
 
 
@@ -82,7 +90,9 @@ def plan_rounds(pieces: list[Piece], files: int, budget: int | None) -> list[Rou
     # leave room for alignment padding inside a round
     room = max(cfg.file_alignment, budget - files * cfg.file_alignment - 64 * len(pieces))
     parts = [q for p in pieces for q in split_rows(p, room)]
-    rounds, current, size = [], [], 0
+    rounds: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
     for p in parts:
         n = p.view.numel() * p.view.element_size()
         if current and size + n > room:
@@ -103,7 +113,7 @@ def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
     """The copy the caller waits for. On CUDA, copies are issued on a side stream into pinned
     memory and synchronised here, so "staged" always means the source may change."""
     cuda = any(s.piece.view.is_cuda for p in plans for s in p.slots)
-    stream = torch.cuda.Stream() if cuda else None
+    stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
     with torch.no_grad():
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -121,19 +131,35 @@ def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
 class RankWriter:
     """Writes one rank's files for one attempt, round by round, then its partial manifest."""
 
-    def __init__(self, storage: Storage, io: ThreadPoolExecutor, pool: StagingPool, codec: str,
-                 level: int) -> None:
+    def __init__(
+        self, storage: Storage, io: ThreadPoolExecutor, pool: StagingPool, codec: str, level: int
+    ) -> None:
         self.storage = storage
         self.io = io
         self.pool = pool
         self.codec = codec
         self.level = level
 
-    def write_round(self, share: Share, arena: Arena, rnd: Round, first_index: int,
-                    ) -> list[tuple[str, Chunk]]:
+    def write_round(
+        self,
+        share: Share,
+        arena: Arena,
+        rnd: Round,
+        first_index: int,
+    ) -> list[tuple[str, Chunk]]:
         paths = [L.data_file(share.attempt, share.rank, first_index + p.index) for p in rnd.plans]
-        return write_all(self.io, self.storage, L.step_dir(share.step), paths, arena.buffer,
-                         rnd.plans, self.codec, self.level, config.get().frame_bytes, share.rank)
+        return write_all(
+            self.io,
+            self.storage,
+            L.step_dir(share.step),
+            paths,
+            arena.buffer,
+            rnd.plans,
+            self.codec,
+            self.level,
+            config.get().frame_bytes,
+            share.rank,
+        )
 
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         by_name: dict[str, list[Chunk]] = {}
@@ -142,17 +168,29 @@ class RankWriter:
         unknown = set(by_name) - set(share.declared)
         if unknown:
             raise CkptdError(f"chunks written for undeclared tensors {sorted(unknown)}")
-        tensors = {n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
-                   for n, e in share.declared.items()}
-        partial = Manifest(share.step, share.attempt, share.world_size, time.time(), tensors,
-                           share.values, {str(share.rank): share.locals} if share.locals else {},
-                           share.training, rank=share.rank)
-        self.storage.put_atomic(L.partial_path(share.step, share.attempt, share.rank),
-                                partial.encode())
+        tensors = {
+            n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
+            for n, e in share.declared.items()
+        }
+        partial = Manifest(
+            share.step,
+            share.attempt,
+            share.world_size,
+            time.time(),
+            tensors,
+            share.values,
+            {str(share.rank): share.locals} if share.locals else {},
+            share.training,
+            rank=share.rank,
+        )
+        self.storage.put_atomic(
+            L.partial_path(share.step, share.attempt, share.rank), partial.encode()
+        )
         return partial
 
-    def write_rounds(self, share: Share, rounds: list[Round],
-                     on_round: Callable[[int], None] | None = None) -> list[tuple[str, Chunk]]:
+    def write_rounds(
+        self, share: Share, rounds: list[Round], on_round: Callable[[int], None] | None = None
+    ) -> list[tuple[str, Chunk]]:
         """Stage and write every round in this thread (the over-budget path, offline tools)."""
         chunks: list[tuple[str, Chunk]] = []
         index = 0
@@ -186,5 +224,13 @@ def n_files(rounds: list[Round]) -> int:
     return sum(len(r.plans) for r in rounds)
 
 
-__all__ = ["Share", "Round", "RankWriter", "plan_rounds", "stage", "split_rows", "stored_bytes",
-           "n_files"]
+__all__ = [
+    "Share",
+    "Round",
+    "RankWriter",
+    "plan_rounds",
+    "stage",
+    "split_rows",
+    "stored_bytes",
+    "n_files",
+]
