@@ -30,6 +30,7 @@ from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import codecs
+from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer import commit as C
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
 from ckptd.writer.pipeline import (
@@ -128,10 +129,11 @@ class Checkpointer:
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.url = self.storage.url
         self.keep_last = keep_last
-        self.codec, self.level = codecs.parse_compression(compression)
+        self.auto = AutoCodec(self.threads_for(threads)) if compression == "auto" else None
+        self.codec, self.level = codecs.parse_compression(None if self.auto else compression)
         self.max_inflight = max(1, max_inflight)
         self.on_busy = on_busy
-        self.threads = threads or config.io_threads()
+        self.threads = self.threads_for(threads)
         self.debug_overlap = debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1"
         self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
         self.host_budget_bytes = host_budget_bytes
@@ -147,6 +149,10 @@ class Checkpointer:
         if self.rank == 0:
             C.claim(self.storage, self.run_id)
         _live.add(self)
+
+    @staticmethod
+    def threads_for(threads: int | None) -> int:
+        return threads or config.io_threads()
 
     # ------------------------------------------------------------------ saving
     def save_async(
@@ -260,7 +266,12 @@ class Checkpointer:
                         stage(job.arena.buffer, job.rounds[0].plans)
                         t_staged = time.perf_counter()
                         h._set_staged()
+                    if self.auto is not None:
+                        self._writer.codec = self.auto.choose()
+                    t_write = time.perf_counter()
                     job.chunks = self._writer.write_round(share, job.arena, job.rounds[0], 0)
+                    if self.auto is not None:
+                        self._observe(job, time.perf_counter() - t_write)
                 finally:
                     self.pool.release(job.arena)
             self._writer.write_partial(share, job.chunks)
@@ -285,6 +296,20 @@ class Checkpointer:
                 self._writer.discard(share, n_files(job.rounds))
             log.error("ckptd: save of step %d failed: %s", share.step, e)
             h._set_failed(e)
+
+    def _observe(self, job: _Job, seconds: float) -> None:
+        """Feed compression="auto" with this save's write bandwidth and a compressor sample."""
+        assert self.auto is not None and job.arena is not None
+        self.auto.observe_write(stored_bytes(job.chunks), seconds, self._writer.codec)
+        slots = [(s.piece.view, s.offset, s.nbytes) for p in job.rounds[0].plans for s in p.slots]
+        best = largest_float_slot(slots)
+        if best is not None and self.auto.zstd_bps is None:
+            offset, nbytes, itemsize = best
+            mem = memoryview(job.arena.buffer.numpy()).cast("B")  # type: ignore[arg-type]
+            self.auto.observe_sample(mem[offset : offset + nbytes], itemsize)
+        log.info("ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
+                 (self.auto.write_bps or 0) / 1e9, (self.auto.zstd_bps or 0) / 1e9,
+                 self.auto.ratio or 0, self.auto.choose())
 
     def _record(self, r: SaveResult) -> None:
         line = {

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
 
 import ckptd
+from ckptd.storage.local import LocalStorage
 from ckptd.writer.handle import Phase
 
 
@@ -135,3 +137,27 @@ def test_save_result_and_metrics_line(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     rec = json.loads(lines[-1])
     assert rec["step"] == 9 and rec["nbytes"] == r.nbytes and rec["world_size"] == 1
+
+
+class _SlowStorage(LocalStorage):
+    """A storage link of ~20 MB/s (an object store's single stream), not a local disk."""
+
+    def write_file(self, path, parts):
+        parts = [memoryview(p).cast("B") for p in parts]
+        n = super().write_file(path, parts)
+        time.sleep(n / 20e6)  # the link's transfer time: the bandwidth being simulated
+        return n
+
+
+def test_compression_auto_compresses_only_when_the_storage_is_slower_than_zstd(tmp_path):
+    state = {"w": torch.randn(1 << 20).to(torch.bfloat16)}  # 2 MiB, planes+zstd ~1.4x
+    root = str(tmp_path / "slow")
+    with ckptd.Checkpointer(root, compression="auto", storage=_SlowStorage(root)) as c:
+        c.save(state, step=1)
+        c.save(state, step=2)
+        codecs_used = [{ch.codec for ch in c.read_manifest(s).tensors["w"].chunks} for s in (1, 2)]
+        assert codecs_used == [{"raw"}, {"zstd-planes"}]
+        assert c.auto is not None and c.auto.ratio is not None and c.auto.ratio > 1.2
+        dst = {"w": torch.zeros(1 << 20, dtype=torch.bfloat16)}
+        c.load(dst)
+        assert torch.equal(dst["w"], state["w"])
