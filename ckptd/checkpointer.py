@@ -468,13 +468,20 @@ def _append(storage: Storage, path: str, text: str) -> None:
     storage.put_atomic(path, old + text.encode())
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     for ckpt in list(_live):
         try:
             ckpt.close()
         except Exception as e:  # noqa: BLE001 - exiting anyway; say why
             log.error("ckptd: a save did not complete before exit: %s", e)
+
+
+# Drain before concurrent.futures refuses new work at interpreter exit: its hook is registered
+# with threading's exit hooks, which run before atexit's and in reverse order of registration.
+try:
+    threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - other Pythons
+    atexit.register(_drain_at_exit)
 
 
 __all__ = ["Checkpointer", "LoadResult", "SaveHandle", "SaveResult", "Phase"]

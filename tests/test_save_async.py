@@ -161,3 +161,21 @@ def test_compression_auto_compresses_only_when_the_storage_is_slower_than_zstd(t
         dst = {"w": torch.zeros(1 << 20, dtype=torch.bfloat16)}
         c.load(dst)
         assert torch.equal(dst["w"], state["w"])
+
+
+def test_interpreter_exit_drains_in_flight_saves(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ckptd\n"
+        f"ckptd.init({str(tmp_path)!r})\n"
+        "ckptd.save_async({'w': torch.arange(1 << 20, dtype=torch.float32)}, step=3)\n"
+        # no wait(), no close(): the interpreter exits with the save in flight
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        assert c.latest_step() == 3
+        dst = {"w": torch.zeros(1 << 20)}
+        c.load(dst)
+        assert torch.equal(dst["w"], torch.arange(1 << 20, dtype=torch.float32))
