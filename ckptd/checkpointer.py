@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,20 +22,23 @@ from typing import Any
 import torch
 
 from ckptd import config
-from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.manifest import Chunk, Manifest, TensorEntry, decode
 from ckptd.manifest import layout as L
 from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
+from ckptd.storage.base import append_text
+from ckptd.world import agree_run_id, dist_or_none, resolve_world
 from ckptd.writer import codecs
-from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer import commit as C
+from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
 from ckptd.writer.pipeline import (
     RankWriter,
     Round,
     Share,
+    check_unmodified,
     n_files,
     plan_rounds,
     stage,
@@ -55,48 +57,6 @@ class LoadResult:
     url: str
     nbytes_read: int
     training: dict[str, Any]
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    dist = _dist()
-    if rank is None:
-        rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
-    if world_size is None:
-        world_size = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= rank < world_size:
-        raise CkptdError(f"rank {rank} outside world of size {world_size}")
-    return rank, world_size
-
-
-def _agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
-    """One id for this job incarnation, the same on every rank (one broadcast at init, or the
-    launcher's environment)."""
-    if run_id:
-        return run_id
-    if os.environ.get("CKPTD_RUN_ID"):
-        return os.environ["CKPTD_RUN_ID"]
-    dist = _dist()
-    if dist is not None and dist.get_world_size() > 1:
-        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return (
-            f"{os.environ['TORCHELASTIC_RUN_ID']}-r"
-            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        )
-    if world_size == 1:
-        return uuid.uuid4().hex[:12]
-    raise CkptdError(
-        "ranks cannot agree on a run id: initialise torch.distributed before ckptd.init, "
-        "or pass run_id= (or set CKPTD_RUN_ID) identically on every rank"
-    )
 
 
 class Checkpointer:
@@ -125,7 +85,7 @@ class Checkpointer:
     ) -> None:
         if on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
-        self.rank, self.world_size = _resolve_world(rank, world_size)
+        self.rank, self.world_size = resolve_world(rank, world_size)
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.url = self.storage.url
         self.keep_last = keep_last
@@ -135,7 +95,7 @@ class Checkpointer:
         self.on_busy = on_busy
         self.threads = self.threads_for(threads)
         self.debug_overlap = debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1"
-        self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
+        self.run_id = agree_run_id(self.rank, self.world_size, run_id)
         self.host_budget_bytes = host_budget_bytes
         self.pool = StagingPool(self.max_inflight)
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
@@ -232,7 +192,7 @@ class Checkpointer:
             job.arena = self.pool.acquire(rounds[0].nbytes)
             if self.debug_overlap:
                 arena_buf, plans = job.arena.buffer, rounds[0].plans
-                handle.on_wait_staged.append(lambda: _check_unmodified(plans, arena_buf))
+                handle.on_wait_staged.append(lambda: check_unmodified(plans, arena_buf))
             if not overlap:
                 try:
                     stage(job.arena.buffer, rounds[0].plans)
@@ -307,9 +267,13 @@ class Checkpointer:
             offset, nbytes, itemsize = best
             mem = memoryview(job.arena.buffer.numpy()).cast("B")  # type: ignore[arg-type]
             self.auto.observe_sample(mem[offset : offset + nbytes], itemsize)
-        log.info("ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
-                 (self.auto.write_bps or 0) / 1e9, (self.auto.zstd_bps or 0) / 1e9,
-                 self.auto.ratio or 0, self.auto.choose())
+        log.info(
+            "ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
+            (self.auto.write_bps or 0) / 1e9,
+            (self.auto.zstd_bps or 0) / 1e9,
+            self.auto.ratio or 0,
+            self.auto.choose(),
+        )
 
     def _record(self, r: SaveResult) -> None:
         line = {
@@ -324,7 +288,7 @@ class Checkpointer:
         log.info("ckptd save %s", json.dumps(line))
         if self.rank == 0:
             try:
-                _append(self.storage, L.METRICS, json.dumps(line) + "\n")
+                append_text(self.storage, L.METRICS, json.dumps(line) + "\n")
             except OSError as e:
                 log.warning("ckptd: could not append metrics: %s", e)
 
@@ -422,7 +386,7 @@ class Checkpointer:
         return LoadResult(step, f"{self.url}/{L.step_dir(step)}", nbytes, dict(manifest.training))
 
     def _agreed_latest(self) -> int | None:
-        dist = _dist()
+        dist = dist_or_none()
         if dist is None or dist.get_world_size() == 1:
             return self.latest_step()
         box = [self.latest_step() if dist.get_rank() == 0 else None]
@@ -442,30 +406,6 @@ class _Job:
 def _json_copy(value: Any) -> Any:
     """A snapshot of JSON-able values, taken at the call (the caller may change them after)."""
     return json.loads(json.dumps(value))
-
-
-def _check_unmodified(plans: list[Any], arena: torch.Tensor) -> None:
-    for plan in plans:
-        for s in plan.slots:
-            v = s.piece.view
-            staged = arena[s.offset : s.offset + s.nbytes].view(v.dtype).view(v.shape)
-            if not torch.equal(staged.cpu(), v.detach().cpu()):
-                raise CorruptCheckpoint(
-                    f"{s.piece.name}: modified before wait_staged() returned (overlap=True "
-                    "requires the state to stay unchanged until then)"
-                )
-
-
-def _append(storage: Storage, path: str, text: str) -> None:
-    append = getattr(storage, "append_text", None)
-    if append is not None:
-        append(path, text)
-        return
-    try:
-        old = storage.read_bytes(path)
-    except FileNotFoundError:
-        old = b""
-    storage.put_atomic(path, old + text.encode())
 
 
 def _drain_at_exit() -> None:

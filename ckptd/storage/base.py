@@ -61,3 +61,16 @@ class Storage(Protocol):
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
+
+
+def append_text(storage: Storage, path: str, text: str) -> None:
+    """Append to a log-like object: natively where the backend can, else read + rewrite."""
+    append = getattr(storage, "append_text", None)
+    if append is not None:
+        append(path, text)
+        return
+    try:
+        old = storage.read_bytes(path)
+    except FileNotFoundError:
+        old = b""
+    storage.put_atomic(path, old + text.encode())

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptd import config
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, CorruptCheckpoint
 from ckptd.manifest import Chunk, Manifest, TensorEntry
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
@@ -224,7 +224,20 @@ def n_files(rounds: list[Round]) -> int:
     return sum(len(r.plans) for r in rounds)
 
 
+def check_unmodified(plans: list[FilePlan], arena: torch.Tensor) -> None:
+    for plan in plans:
+        for s in plan.slots:
+            v = s.piece.view
+            staged = arena[s.offset : s.offset + s.nbytes].view(v.dtype).view(v.shape)
+            if not torch.equal(staged.cpu(), v.detach().cpu()):
+                raise CorruptCheckpoint(
+                    f"{s.piece.name}: modified before wait_staged() returned (overlap=True "
+                    "requires the state to stay unchanged until then)"
+                )
+
+
 __all__ = [
+    "check_unmodified",
     "Share",
     "Round",
     "RankWriter",

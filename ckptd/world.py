@@ -1,0 +1,51 @@
+"""Who this process is: rank and world size, and the run id all ranks of one job share."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from ckptd.errors import CkptdError
+
+
+def dist_or_none() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = dist_or_none()
+    if rank is None:
+        rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world_size:
+        raise CkptdError(f"rank {rank} outside world of size {world_size}")
+    return rank, world_size
+
+
+def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
+    """One id for this job incarnation, the same on every rank (one broadcast at init, or the
+    launcher's environment)."""
+    if run_id:
+        return run_id
+    if os.environ.get("CKPTD_RUN_ID"):
+        return os.environ["CKPTD_RUN_ID"]
+    dist = dist_or_none()
+    if dist is not None and dist.get_world_size() > 1:
+        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return (
+            f"{os.environ['TORCHELASTIC_RUN_ID']}-r"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
+    if world_size == 1:
+        return uuid.uuid4().hex[:12]
+    raise CkptdError(
+        "ranks cannot agree on a run id: initialise torch.distributed before ckptd.init, "
+        "or pass run_id= (or set CKPTD_RUN_ID) identically on every rank"
+    )
