@@ -127,7 +127,8 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
             if r == 0 and got != data:
                 raise SystemExit(f"{name}: read back {len(got)} bytes that differ from the put")
             client.delete_object(Bucket=BUCKET, Key=key)
-            for column, value in zip(times[name], (t1 - t0, t2 - t1, c1 - c0, c2 - c1)):
+            measured = (t1 - t0, t2 - t1, c1 - c0, c2 - c1)
+            for column, value in zip(times[name], measured, strict=True):
                 column.append(value)
     # client CPU: seconds of CPU (all threads of this process; the server is another process)
     # per GiB moved, i.e. the client's own ceiling on one core is 1.07 / that figure GB/s.

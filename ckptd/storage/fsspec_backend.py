@@ -51,7 +51,7 @@ class S3Transfer:
     concurrency: int = 16
     # Attempts per request (first try included), and the backoff: before retry n a uniformly random
     # wait in [0, min(max_delay_s, base_delay_s * 2**(n-1))] ("full jitter"). With the defaults a
-    # request gives up after ~13 s of waiting on average, 40 s at worst.
+    # request gives up after ~13 s of waiting on average, 25 s at most.
     max_attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 20.0
@@ -66,9 +66,15 @@ class S3Transfer:
         same convention as :mod:`ckptd.config`; used when no ``transfer`` is given."""
         changes: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            raw = os.environ.get(f"CKPTD_S3_{field.name.upper()}")
-            if raw is not None:
+            name = f"CKPTD_S3_{field.name.upper()}"
+            raw = os.environ.get(name)
+            if raw is None:
+                continue
+            try:
                 changes[field.name] = float(raw) if field.type == "float" else int(raw)
+            except ValueError as e:
+                kind = "a number" if field.type == "float" else "an integer"
+                raise ValueError(f"{name}={raw!r}: expected {kind}") from e
         return cls(**changes)
 
 

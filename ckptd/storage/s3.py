@@ -43,7 +43,7 @@ _S3_MAX_PART_BYTES = 5 << 30
 
 def part_size(part_number: int, base: int) -> int:
     """Size of 1-based part ``part_number``: doubles every 1000 parts so that S3's 10 000-part
-    limit never caps an object (16 MiB parts: the first 16 GB, then 32 MiB parts...)."""
+    limit never caps an object (16 MiB parts: the first 16 GiB, then 32 MiB parts...)."""
     return min(base << ((part_number - 1) // 1000), _S3_MAX_PART_BYTES)
 
 
