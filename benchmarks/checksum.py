@@ -104,9 +104,17 @@ def bench(size: int, frame: int, runs: int) -> list[dict[str, object]]:
 
         w, f, t2 = _time(whole, runs), _time(framed, runs), _time(two_threads, runs)
         held = statistics.median(_gil_held_fraction(fn, mem) for _ in range(3))
-        rows.append({"algorithm": name, "impl": origin, "whole_GBps": size / w / 1e9,
-                     "frames_GBps": size / f / 1e9, "two_threads_GBps": size / t2 / 1e9,
-                     "gil_held_fraction": held, "gil_released": held < 0.8})
+        rows.append(
+            {
+                "algorithm": name,
+                "impl": origin,
+                "whole_GBps": size / w / 1e9,
+                "frames_GBps": size / f / 1e9,
+                "two_threads_GBps": size / t2 / 1e9,
+                "gil_held_fraction": held,
+                "gil_released": held < 0.8,
+            }
+        )
     return rows
 
 
@@ -135,11 +143,13 @@ def _gil_held_fraction(fn: Callable[[memoryview], object], mem: memoryview) -> f
 
 
 def table(rows: list[dict[str, object]], size: int, frame: int, runs: int) -> str:
-    head = (f"Checksums on {fmt_bytes(size)} of random bytes, GB/s (10^9 B/s), median of {runs} "
-            f"after a warm-up; frames = one call per {fmt_bytes(frame)}\n\n"
-            "| algorithm | implementation | whole buffer | per frame | 2 threads, per frame "
-            "(aggregate) | releases the GIL? (longest Python pause / call) |\n"
-            "|---|---|---:|---:|---:|---|\n")
+    head = (
+        f"Checksums on {fmt_bytes(size)} of random bytes, GB/s (10^9 B/s), median of {runs} "
+        f"after a warm-up; frames = one call per {fmt_bytes(frame)}\n\n"
+        "| algorithm | implementation | whole buffer | per frame | 2 threads, per frame "
+        "(aggregate) | releases the GIL? (longest Python pause / call) |\n"
+        "|---|---|---:|---:|---:|---|\n"
+    )
     lines = [
         f"| {r['algorithm']} | {r['impl']} | {r['whole_GBps']:.1f} | {r['frames_GBps']:.1f} | "
         f"{r['two_threads_GBps']:.1f} | {'yes' if r['gil_released'] else 'no'} "
@@ -161,8 +171,17 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, size, frame, args.runs))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "frame": frame, "runs": args.runs, "rows": rows,
-                       "machine": machine_info(None)}, f, indent=2)
+            json.dump(
+                {
+                    "size": size,
+                    "frame": frame,
+                    "runs": args.runs,
+                    "rows": rows,
+                    "machine": machine_info(None),
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

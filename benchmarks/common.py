@@ -27,9 +27,22 @@ import torch
 
 # ----------------------------------------------------------------------------- sizes & stats
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
-          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12,
-          "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -91,8 +104,14 @@ def machine_info(directory: str | None) -> dict[str, Any]:
     }
     if directory:
         info["df_T"] = _run(["df", "-hT", directory])
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    info["git"] = _run(["git", "-C", repo, "describe", "--always", "--dirty"])
+    try:
+        import ckptd
+
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(ckptd.__file__)))
+        info["ckptd"] = f"{ckptd.__version__} from {pkg}"
+        info["git"] = _run(["git", "-C", pkg, "describe", "--always", "--dirty"])
+    except ImportError:
+        info["ckptd"] = "(not importable)"
     return info
 
 
@@ -114,8 +133,12 @@ def drop_caches() -> bool:
 def default_dir() -> str:
     """A fresh directory on the candidate filesystem with the most free space
     ($CKPTD_BENCH_DIR, /work, the temp dir, the current directory) — not tmpfs."""
-    candidates = [os.environ.get("CKPTD_BENCH_DIR", ""), "/work", tempfile.gettempdir(),
-                  os.getcwd()]
+    candidates = [
+        os.environ.get("CKPTD_BENCH_DIR", ""),
+        "/work",
+        tempfile.gettempdir(),
+        os.getcwd(),
+    ]
     best, best_free = None, -1
     for c in candidates:
         if not c or not os.path.isdir(c) or not os.access(c, os.W_OK):
@@ -244,13 +267,18 @@ class Shape:
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         h, f, v = self.hidden, self.ffn, self.vocab
-        out = [("embed.weight", (v, h))]
+        out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (v, h))]
         for i in range(self.layers):
             p = f"layers.{i}"
-            out += [(f"{p}.attn_norm.weight", (h,)), (f"{p}.attn.qkv.weight", (3 * h, h)),
-                    (f"{p}.attn.qkv.bias", (3 * h,)), (f"{p}.attn.o.weight", (h, h)),
-                    (f"{p}.mlp_norm.weight", (h,)), (f"{p}.mlp.up.weight", (f, h)),
-                    (f"{p}.mlp.down.weight", (h, f))]
+            out += [
+                (f"{p}.attn_norm.weight", (h,)),
+                (f"{p}.attn.qkv.weight", (3 * h, h)),
+                (f"{p}.attn.qkv.bias", (3 * h,)),
+                (f"{p}.attn.o.weight", (h, h)),
+                (f"{p}.mlp_norm.weight", (h,)),
+                (f"{p}.mlp.up.weight", (f, h)),
+                (f"{p}.mlp.down.weight", (h, f)),
+            ]
         out += [("norm_f.weight", (h,)), ("lm_head.weight", (v, h))]
         return out
 
@@ -259,8 +287,12 @@ class Shape:
 
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4
-GROUPS = (("model", torch.bfloat16), ("optim/master", torch.float32),
-          ("optim/exp_avg", torch.float32), ("optim/exp_avg_sq", torch.float32))
+GROUPS = (
+    ("model", torch.bfloat16),
+    ("optim/master", torch.float32),
+    ("optim/exp_avg", torch.float32),
+    ("optim/exp_avg_sq", torch.float32),
+)
 
 
 def plan_shape(total_bytes: int, layers: int = 8, world: int = 4) -> Shape:
@@ -332,9 +364,14 @@ class State:
         from torch.distributed.tensor import Shard as DShard
 
         def dt(lf: Leaf) -> Any:
-            return DTensor.from_local(lf.local, mesh, [DShard(0)], run_check=False,
-                                      shape=torch.Size(lf.global_shape),
-                                      stride=_contiguous_stride(lf.global_shape))
+            return DTensor.from_local(
+                lf.local,
+                mesh,
+                [DShard(0)],
+                run_check=False,
+                shape=torch.Size(lf.global_shape),
+                stride=_contiguous_stride(lf.global_shape),
+            )
 
         return self._tree(dt)
 
@@ -376,8 +413,14 @@ def build_state(total_bytes: int, rank: int = 0, world: int = 1, layers: int = 8
                 t.mul_(1e-3)
             if group == "optim/exp_avg_sq":
                 t.mul_(1e-3).square_()
-            state.leaves.append(Leaf(f"{group}/{fqn}", t.to(dtype) if dtype != t.dtype else t,
-                                     gshape, (rank * rows,) + (0,) * (len(gshape) - 1)))
+            state.leaves.append(
+                Leaf(
+                    f"{group}/{fqn}",
+                    t.to(dtype) if dtype != t.dtype else t,
+                    gshape,
+                    (rank * rows,) + (0,) * (len(gshape) - 1),
+                )
+            )
     return state
 
 

@@ -85,8 +85,12 @@ class Rank:
         t = time.perf_counter()
         self.state: State = build_state(cfg["size"], rank, world)
         self.nbytes = self.state.nbytes
-        self.info.update(nbytes=self.nbytes, ntensors=self.state.ntensors,
-                         shape=vars(self.state.shape), build_s=time.perf_counter() - t)
+        self.info.update(
+            nbytes=self.nbytes,
+            ntensors=self.state.ntensors,
+            shape=vars(self.state.shape),
+            build_s=time.perf_counter() - t,
+        )
         self.compute = Compute(threads=cfg["compute_threads"])
 
     # -- plumbing
@@ -173,17 +177,22 @@ class Rank:
                 if timed:
                     self.add("floor.copy_per_tensor" + suffix, t_copy)
                     self.add("floor.memcpy" + suffix, t_memcpy)
-            for key, direct, files in (("floor.write_buffered", False, 1),
-                                       ("floor.write_direct", True, 1),
-                                       (f"floor.write_direct_x{k}", True, k),
-                                       (f"floor.write_buffered_x{k}", False, k)):
+            for key, direct, files in (
+                ("floor.write_buffered", False, 1),
+                ("floor.write_direct", True, 1),
+                (f"floor.write_direct_x{k}", True, k),
+                (f"floor.write_buffered_x{k}", False, k),
+            ):
                 if direct and not direct_ok:
                     continue
                 paths = [self.path(f"floor-r{self.rank}-{i}-{j}.bin") for j in range(files)]
                 self.barrier()
                 try:
-                    dt = (write_fsync(paths[0], mem, direct) if files == 1
-                          else write_fsync_parallel(paths, mem, direct))
+                    dt = (
+                        write_fsync(paths[0], mem, direct)
+                        if files == 1
+                        else write_fsync_parallel(paths, mem, direct)
+                    )
                     if dt is not None:
                         fsync_dir(self.root)
                 finally:
@@ -191,8 +200,10 @@ class Rank:
                         remove(p)
                 if dt is None:
                     direct_ok = False
-                    self.notes.append(f"rank {self.rank}: the filesystem of {self.root} refuses "
-                                      "O_DIRECT (EINVAL): no O_DIRECT floor")
+                    self.notes.append(
+                        f"rank {self.rank}: the filesystem of {self.root} refuses "
+                        "O_DIRECT (EINVAL): no O_DIRECT floor"
+                    )
                     continue
                 if timed:
                     self.add(key, dt)
@@ -241,15 +252,26 @@ class Rank:
         self.repeat(sync_once)
 
         variants: list[tuple[str, Callable[[], Any] | None]] = [("dcp.async.default", None)]
-        variants.append(("dcp.async.reused_sync",
-                         lambda: DefaultStager(StagingOptions(False, False, False, False))))
-        variants.append(("dcp.async.reused_async",
-                         lambda: DefaultStager(StagingOptions(False, False, True, False))))
+        variants.append(
+            (
+                "dcp.async.reused_sync",
+                lambda: DefaultStager(StagingOptions(False, False, False, False)),
+            )
+        )
+        variants.append(
+            (
+                "dcp.async.reused_async",
+                lambda: DefaultStager(StagingOptions(False, False, True, False)),
+            )
+        )
         for key, make in variants:
             stager = make() if make else None
             self.log(f"  {key}")
-            self.repeat(lambda i, timed, key=key, stager=stager:
-                        self._dcp_async_once(key, tree, stager, i, timed))
+            self.repeat(
+                lambda i, timed, key=key, stager=stager: self._dcp_async_once(
+                    key, tree, stager, i, timed
+                )
+            )
             if stager is not None:
                 stager.close()
 
@@ -259,8 +281,7 @@ class Rank:
 
         d = self.path(f"{key}-{i}")
         t0 = time.perf_counter()
-        resp = dcp.async_save(tree, checkpoint_id=d, process_group=self.dcp_pg,
-                              async_stager=stager)
+        resp = dcp.async_save(tree, checkpoint_id=d, process_group=self.dcp_pg, async_stager=stager)
         t_call = time.perf_counter() - t0
         if isinstance(resp, AsyncSaveResponse):
             resp.staging_completion.result()
@@ -280,16 +301,21 @@ class Rank:
     def section_ckptd(self) -> None:
         tree = self.state.ckptd_tree()
         variants: list[tuple[str, str | None, bool, int | None]] = [
-            ("ckptd", None, False, None), ("ckptd.zstd", "zstd", False, None),
-            ("ckptd.overlap", None, True, None)]
+            ("ckptd", None, False, None),
+            ("ckptd.zstd", "zstd", False, None),
+            ("ckptd.overlap", None, True, None),
+        ]
         if torch.get_num_threads() > 1:  # diagnosis: the same save with 1 intra-op thread
             variants.append(("ckptd.t1", None, False, 1))
         for key, compression, overlap, threads in variants:
             self.log(f"  {key}")
             ck = self._checkpointer(key, compression)
             with torch_threads(threads):
-                self.repeat(lambda i, timed, key=key, ck=ck, overlap=overlap:
-                            self._ckptd_once(key, ck, tree, overlap, i, timed))
+                self.repeat(
+                    lambda i, timed, key=key, ck=ck, overlap=overlap: self._ckptd_once(
+                        key, ck, tree, overlap, i, timed
+                    )
+                )
             ck.close()
             del ck
             self.shared_cleanup(self.path(key))
@@ -299,12 +325,17 @@ class Rank:
 
         # keep_last=0: no retention inside the timed save (the benchmark deletes old steps
         # itself, outside the timing; see the README for what retention costs)
-        return ckptd.Checkpointer(self.path(key), rank=self.rank, world_size=self.world,
-                                  keep_last=0, compression=compression,
-                                  run_id="bench-" + key)
+        return ckptd.Checkpointer(
+            self.path(key),
+            rank=self.rank,
+            world_size=self.world,
+            keep_last=0,
+            compression=compression,
+            run_id="bench-" + key,
+        )
 
-    def _ckptd_once(self, key: str, ck: Any, tree: Any, overlap: bool, i: int,
-                    timed: bool) -> None:
+    def _ckptd_once(self, key: str, ck: Any, tree: Any, overlap: bool, i: int, timed: bool) -> None:
+        wall0 = time.time()
         t0 = time.perf_counter()
         h = ck.save_async(tree, step=i, overlap=overlap)
         t_call = time.perf_counter() - t0
@@ -312,6 +343,15 @@ class Rank:
             h.wait_staged()
         t_staged = time.perf_counter() - t0
         r = h.result()
+        # absolute times, to line ranks up (commit latency of non-coordinators) in the JSON
+        self.info.setdefault(f"{key}.wall", []).append(
+            {
+                "run": i,
+                "start": wall0,
+                "staged": wall0 + t_staged,
+                "committed": wall0 + time.perf_counter() - t0,
+            }
+        )
         step_dir = os.path.join(self.path(key), f"step-{i:09d}")
         fsync_tree(step_dir)  # ckptd fsyncs data files and manifests; + the data directories
         t_durable = time.perf_counter() - t0
@@ -335,8 +375,10 @@ class Rank:
         def start_floor(i: int) -> tuple[Callable[[], bool], Callable[[], None], str]:
             d = self.path(f"floor.interference-{self.rank}-{i}")
             os.makedirs(d, exist_ok=True)
-            th = threading.Thread(target=write_fsync_parallel, args=(
-                [os.path.join(d, f"{j}.bin") for j in range(k)], mem, True))
+            th = threading.Thread(
+                target=write_fsync_parallel,
+                args=([os.path.join(d, f"{j}.bin") for j in range(k)], mem, True),
+            )
             th.start()
             return (lambda: not th.is_alive()), th.join, d
 
@@ -350,8 +392,12 @@ class Rank:
         ck = self._checkpointer("ckptd.interference", None)
         ck_tree, dcp_tree = self.state.ckptd_tree(), self._dcp_tree()
 
-        def measure(key: str, start: Callable[[int], tuple[Callable[[], bool], Callable[[], None],
-                                                            str]], i: int, timed: bool) -> None:
+        def measure(
+            key: str,
+            start: Callable[[int], tuple[Callable[[], bool], Callable[[], None], str]],
+            i: int,
+            timed: bool,
+        ) -> None:
             before = self.compute.rate_for(alone_s)
             t0 = time.perf_counter()
             done, finish, d = start(i)
@@ -373,12 +419,23 @@ class Rank:
         def start_ckptd(i: int) -> tuple[Callable[[], bool], Callable[[], None], str]:
             h = ck.save_async(ck_tree, step=i)
             step_dir = os.path.join(self.path("ckptd.interference"), f"step-{i:09d}")
-            return h.done, lambda: (h.result(), fsync_tree(step_dir)), step_dir
+
+            def finish() -> None:
+                h.result()
+                fsync_tree(step_dir)
+
+            return h.done, finish, step_dir
 
         def start_dcp(i: int) -> tuple[Callable[[], bool], Callable[[], None], str]:
             d = self.path(f"dcp.interference-{i}")
-            fut = dcp.async_save(dcp_tree, checkpoint_id=d, process_group=self.dcp_pg)
-            return fut.done, lambda: (fut.result(), fsync_tree(d)), d
+            # default stager, synchronous staging: a plain Future (no AsyncSaveResponse)
+            fut: Any = dcp.async_save(dcp_tree, checkpoint_id=d, process_group=self.dcp_pg)
+
+            def finish() -> None:
+                fut.result()
+                fsync_tree(d)
+
+            return fut.done, finish, d
 
         k = _io_threads()
         runs = max(self.cfg["runs"], self.cfg["interference_runs"])
@@ -415,8 +472,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], root: str,
-               out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], root: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("ckptd").setLevel(logging.WARNING)
     try:
@@ -426,8 +482,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], root: str,
             # one intra-op thread per rank, as torchrun sets OMP_NUM_THREADS=1 for several
             # processes per node
             torch.set_num_threads(1)
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            )
         result = Rank(rank, world, cfg, root).run()
         if world > 1:
             import torch.distributed as dist
@@ -449,8 +506,10 @@ def run_ranks(world: int, cfg: dict[str, Any], root: str) -> list[dict[str, Any]
 
         ctx = mp.get_context("spawn")
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, root, outs[r]))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, port, cfg, root, outs[r]))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + cfg["timeout_s"]
@@ -505,28 +564,48 @@ class Report:
             alone = [r["runs"][f"{prefix}.alone_rate"] for r in self.results]
             during = [r["runs"][f"{prefix}.during_rate"] for r in self.results]
             n = min(len(x) for x in alone + during)
-            return median([sum(a[i] for a in alone) / sum(d[i] for d in during)
-                           for i in range(n)])
+            return median([sum(a[i] for a in alone) / sum(d[i] for d in during) for i in range(n)])
         return max(self.per_rank(key))
 
     def spread(self, key: str) -> float:
         return max(spread(r["runs"].get(key, [])) for r in self.results)
 
-    def row(self, section: str, label: str, key: str | None, value: float | None = None,
-            unit: str = "s", gbps_of: int | None = None, vs_floor: str = "", vs_dcp: str = "",
-            target: str = "", note: str = "") -> None:
+    def row(
+        self,
+        section: str,
+        label: str,
+        key: str | None,
+        value: float | None = None,
+        unit: str = "s",
+        gbps_of: int | None = None,
+        vs_floor: str = "",
+        vs_dcp: str = "",
+        target: str = "",
+        note: str = "",
+    ) -> None:
         if key is not None and not self.has(key):
             return
         v = self.T(key) if value is None and key is not None else value
-        self.rows.append({
-            "section": section, "measure": label, "key": key, "value": v, "unit": unit,
-            "GBps": gbps(gbps_of, v) if gbps_of and v == v else None,
-            "vs_floor": vs_floor, "vs_dcp": vs_dcp, "target": target, "note": note,
-            "spread": self.spread(key) if key else None,
-            "per_rank": self.per_rank(key) if key and self.world > 1 else None,
-        })
+        self.rows.append(
+            {
+                "section": section,
+                "measure": label,
+                "key": key,
+                "value": v,
+                "unit": unit,
+                "GBps": gbps(gbps_of, v) if gbps_of and v is not None and v == v else None,
+                "vs_floor": vs_floor,
+                "vs_dcp": vs_dcp,
+                "target": target,
+                "note": note,
+                "spread": self.spread(key) if key else None,
+                "per_rank": self.per_rank(key) if key and self.world > 1 else None,
+            }
+        )
 
     def check(self, name: str, ok: bool, detail: str) -> str:
+        if "nan" in detail:  # the reference (a floor, DCP) was not measured in this run
+            return f"n/a: {name} (reference not measured)"
         self.targets.append({"target": name, "met": ok, "detail": detail})
         return f"{'✅' if ok else '❌'} {detail}"
 
@@ -534,17 +613,30 @@ class Report:
         B = self.nbytes
         T = self.T
         k = self.results[0]["info"].get("io_threads", 2)
-        memcpys = {x: T(x) for x in ("floor.memcpy", *(f"floor.memcpy.t{n}" for n in (1, 2, 4, 8)))
-                   if self.has(x)}
+        memcpys = {
+            x: T(x)
+            for x in ("floor.memcpy", *(f"floor.memcpy.t{n}" for n in (1, 2, 4, 8)))
+            if self.has(x)
+        }
         memcpy_key = min(memcpys, key=lambda x: memcpys[x]) if memcpys else "floor.memcpy"
         memcpy = memcpys.get(memcpy_key, float("nan"))
-        writes = {key: T(key) for key in ("floor.write_buffered", "floor.write_direct",
-                                          f"floor.write_direct_x{k}", f"floor.write_buffered_x{k}")
-                  if self.has(key)}
+        writes = {
+            key: T(key)
+            for key in (
+                "floor.write_buffered",
+                "floor.write_direct",
+                f"floor.write_direct_x{k}",
+                f"floor.write_buffered_x{k}",
+            )
+            if self.has(key)
+        }
         best_key = min(writes, key=lambda x: writes[x]) if writes else None
         best = writes[best_key] if best_key else float("nan")
-        async_keys = [x for x in ("dcp.async.default", "dcp.async.reused_sync",
-                                  "dcp.async.reused_async") if self.has(f"{x}.durable")]
+        async_keys = [
+            x
+            for x in ("dcp.async.default", "dcp.async.reused_sync", "dcp.async.reused_async")
+            if self.has(f"{x}.durable")
+        ]
         dcp_staged_key = min(async_keys, key=lambda x: T(f"{x}.staged"), default=None)
         dcp_durable_key = min(async_keys, key=lambda x: T(f"{x}.durable"), default=None)
         dcp_staged = T(f"{dcp_staged_key}.staged") if dcp_staged_key else float("nan")
@@ -566,126 +658,285 @@ class Report:
         for suffix in ("", *(f".t{n}" for n in (8, 4, 2, 1))):
             threads = f", torch threads={suffix[2:]}" if suffix else ""
             key = f"floor.memcpy{suffix}"
-            self.row(s, f"memcpy into a preallocated buffer (one copy_ of the whole state"
-                     f"{threads})" + (" ← memcpy floor" if key == memcpy_key else ""), key,
-                     gbps_of=B, vs_floor=xm(T(key)) if key != memcpy_key else "")
+            self.row(
+                s,
+                f"memcpy into a preallocated buffer (one copy_ of the whole state"
+                f"{threads})" + (" ← memcpy floor" if key == memcpy_key else ""),
+                key,
+                gbps_of=B,
+                vs_floor=xm(T(key)) if key != memcpy_key else "",
+            )
             key = f"floor.copy_per_tensor{suffix}"
-            self.row(s, f"copy per tensor into a preallocated arena{threads}", key,
-                     gbps_of=B, vs_floor=xm(T(key)))
-        for key, label in (("floor.write_buffered", "write + fsync, buffered, 1 file"),
-                           ("floor.write_direct", "write + fsync, O_DIRECT, 1 file"),
-                           (f"floor.write_direct_x{k}", f"write + fsync, O_DIRECT, {k} files "
-                            f"in {k} threads"),
-                           (f"floor.write_buffered_x{k}", f"write + fsync, buffered, {k} files "
-                            f"in {k} threads")):
-            self.row(s, label + (" ← best write floor" if key == best_key else ""), key,
-                     gbps_of=B, vs_floor=xw(T(key)))
+            self.row(
+                s,
+                f"copy per tensor into a preallocated arena{threads}",
+                key,
+                gbps_of=B,
+                vs_floor=xm(T(key)),
+            )
+        for key, label in (
+            ("floor.write_buffered", "write + fsync, buffered, 1 file"),
+            ("floor.write_direct", "write + fsync, O_DIRECT, 1 file"),
+            (f"floor.write_direct_x{k}", f"write + fsync, O_DIRECT, {k} files in {k} threads"),
+            (f"floor.write_buffered_x{k}", f"write + fsync, buffered, {k} files in {k} threads"),
+        ):
+            self.row(
+                s,
+                label + (" ← best write floor" if key == best_key else ""),
+                key,
+                gbps_of=B,
+                vs_floor=xw(T(key)),
+            )
 
         s = "baseline"
         self.row(s, "torch.save + fsync", "torch.save", gbps_of=B, vs_floor=xw(T("torch.save")))
-        self.row(s, "DCP save (blocking)", "dcp.save", gbps_of=B, vs_floor=xw(T("dcp.save")),
-                 vs_dcp=xdd(T("dcp.save")))
-        names = {"dcp.async.default": "DCP async_save, default stager (fresh buffers)",
-                 "dcp.async.reused_sync": "DCP async_save, reused DefaultStager (sync staging)",
-                 "dcp.async.reused_async":
-                     "DCP async_save, reused DefaultStager (use_async_staging)"}
+        self.row(
+            s,
+            "DCP save (blocking)",
+            "dcp.save",
+            gbps_of=B,
+            vs_floor=xw(T("dcp.save")),
+            vs_dcp=xdd(T("dcp.save")),
+        )
+        names = {
+            "dcp.async.default": "DCP async_save, default stager (fresh buffers)",
+            "dcp.async.reused_sync": "DCP async_save, reused DefaultStager (sync staging)",
+            "dcp.async.reused_async": "DCP async_save, reused DefaultStager (use_async_staging)",
+        }
         for x in async_keys:
             self.row(s, f"{names[x]}: call blocks", f"{x}.call", vs_floor=xm(T(f"{x}.call")))
-            self.row(s, f"{names[x]}: until state may be modified", f"{x}.staged",
-                     vs_floor=xm(T(f"{x}.staged")),
-                     note="← DCP staged (best)" if x == dcp_staged_key else "")
-            self.row(s, f"{names[x]}: durable", f"{x}.durable", gbps_of=B,
-                     vs_floor=xw(T(f"{x}.durable")),
-                     note="← DCP durable (best)" if x == dcp_durable_key else "")
+            self.row(
+                s,
+                f"{names[x]}: until state may be modified",
+                f"{x}.staged",
+                vs_floor=xm(T(f"{x}.staged")),
+                note="← DCP staged (best)" if x == dcp_staged_key else "",
+            )
+            self.row(
+                s,
+                f"{names[x]}: durable",
+                f"{x}.durable",
+                gbps_of=B,
+                vs_floor=xw(T(f"{x}.durable")),
+                note="← DCP durable (best)" if x == dcp_durable_key else "",
+            )
 
         s = "ckptd"
         first = [r["info"].get("ckptd.first_stall") for r in self.results]
         if all(f is not None for f in first):
-            self.rows.append({"section": s, "measure": "save_async first save: stall_s "
-                              "(allocates the arena; warm-up, not in the medians)",
-                              "key": "ckptd.first_stall", "value": max(first), "unit": "s",
-                              "GBps": gbps(B, max(first)), "vs_floor": xm(max(first)),
-                              "vs_dcp": xds(max(first)), "target": "", "note": "",
-                              "spread": None, "per_rank": first if self.world > 1 else None})
+            self.rows.append(
+                {
+                    "section": s,
+                    "measure": "save_async first save: stall_s "
+                    "(allocates the arena; warm-up, not in the medians)",
+                    "key": "ckptd.first_stall",
+                    "value": max(first),
+                    "unit": "s",
+                    "GBps": gbps(B, max(first)),
+                    "vs_floor": xm(max(first)),
+                    "vs_dcp": xds(max(first)),
+                    "target": "",
+                    "note": "",
+                    "spread": None,
+                    "per_rank": first if self.world > 1 else None,
+                }
+            )
         if self.has("ckptd.stall_s"):
             st = T("ckptd.stall_s")
-            tgt = self.check("stall ≤ 1.25× memcpy", st <= 1.25 * memcpy,
-                             f"≤1.25× memcpy: {st / memcpy:.2f}×")
-            tgt += "; " + self.check("stall ≤ DCP staged", st <= dcp_staged,
-                                     f"≤ DCP staged: {st / dcp_staged:.2f}×")
-            self.row(s, "save_async: stall (handle.stall_s)", "ckptd.stall_s", gbps_of=B,
-                     vs_floor=xm(st), vs_dcp=xds(st), target=tgt)
-            self.row(s, "save_async: call wall clock", "ckptd.call", vs_floor=xm(T("ckptd.call")),
-                     vs_dcp=xds(T("ckptd.call")))
+            tgt = self.check(
+                "stall ≤ 1.25× memcpy", st <= 1.25 * memcpy, f"≤1.25× memcpy: {st / memcpy:.2f}×"
+            )
+            tgt += "; " + self.check(
+                "stall ≤ DCP staged", st <= dcp_staged, f"≤ DCP staged: {st / dcp_staged:.2f}×"
+            )
+            self.row(
+                s,
+                "save_async: stall (handle.stall_s)",
+                "ckptd.stall_s",
+                gbps_of=B,
+                vs_floor=xm(st),
+                vs_dcp=xds(st),
+                target=tgt,
+            )
+            self.row(
+                s,
+                "save_async: call wall clock",
+                "ckptd.call",
+                vs_floor=xm(T("ckptd.call")),
+                vs_dcp=xds(T("ckptd.call")),
+            )
             du = T("ckptd.durable")
-            tgt = self.check("durable ≥ 0.85× best write floor", best / du >= 0.85,
-                             f"≥0.85× floor: {best / du:.2f}×")
-            tgt += "; " + self.check("durable ≥ 1.5× DCP async_save", dcp_durable / du >= 1.5,
-                                     f"≥1.5× DCP: {dcp_durable / du:.2f}×")
-            self.row(s, "save_async → durable (result() + dir fsync)", "ckptd.durable",
-                     gbps_of=B, vs_floor=xw(du), vs_dcp=xdd(du), target=tgt)
-            self.row(s, "background part: staged → committed (SaveResult.write_s)",
-                     "ckptd.write_s", gbps_of=B, vs_floor=xw(T("ckptd.write_s")))
+            tgt = self.check(
+                "durable ≥ 0.85× best write floor",
+                best / du >= 0.85,
+                f"≥0.85× floor: {best / du:.2f}×",
+            )
+            tgt += "; " + self.check(
+                "durable ≥ 1.5× DCP async_save",
+                dcp_durable / du >= 1.5,
+                f"≥1.5× DCP: {dcp_durable / du:.2f}×",
+            )
+            self.row(
+                s,
+                "save_async → durable (result() + dir fsync)",
+                "ckptd.durable",
+                gbps_of=B,
+                vs_floor=xw(du),
+                vs_dcp=xdd(du),
+                target=tgt,
+            )
+            self.row(
+                s,
+                "background part: staged → committed (SaveResult.write_s)",
+                "ckptd.write_s",
+                gbps_of=B,
+                vs_floor=xw(T("ckptd.write_s")),
+            )
         if self.has("ckptd.t1.stall_s"):
-            self.row(s, "diagnosis: same save, caller's torch threads=1: stall", "ckptd.t1.stall_s",
-                     gbps_of=B, vs_floor=xm(T("ckptd.t1.stall_s")),
-                     vs_dcp=xds(T("ckptd.t1.stall_s")))
-            self.row(s, "diagnosis: same save, caller's torch threads=1: durable",
-                     "ckptd.t1.durable", gbps_of=B, vs_floor=xw(T("ckptd.t1.durable")),
-                     vs_dcp=xdd(T("ckptd.t1.durable")))
+            self.row(
+                s,
+                "diagnosis: same save, caller's torch threads=1: stall",
+                "ckptd.t1.stall_s",
+                gbps_of=B,
+                vs_floor=xm(T("ckptd.t1.stall_s")),
+                vs_dcp=xds(T("ckptd.t1.stall_s")),
+            )
+            self.row(
+                s,
+                "diagnosis: same save, caller's torch threads=1: durable",
+                "ckptd.t1.durable",
+                gbps_of=B,
+                vs_floor=xw(T("ckptd.t1.durable")),
+                vs_dcp=xdd(T("ckptd.t1.durable")),
+            )
         if self.has("ckptd.zstd.stall_s"):
-            self.row(s, "zstd: stall", "ckptd.zstd.stall_s", vs_floor=xm(T("ckptd.zstd.stall_s")),
-                     vs_dcp=xds(T("ckptd.zstd.stall_s")))
-            self.row(s, "zstd: durable", "ckptd.zstd.durable", gbps_of=B,
-                     vs_floor=xw(T("ckptd.zstd.durable")), vs_dcp=xdd(T("ckptd.zstd.durable")))
+            self.row(
+                s,
+                "zstd: stall",
+                "ckptd.zstd.stall_s",
+                vs_floor=xm(T("ckptd.zstd.stall_s")),
+                vs_dcp=xds(T("ckptd.zstd.stall_s")),
+            )
+            self.row(
+                s,
+                "zstd: durable",
+                "ckptd.zstd.durable",
+                gbps_of=B,
+                vs_floor=xw(T("ckptd.zstd.durable")),
+                vs_dcp=xdd(T("ckptd.zstd.durable")),
+            )
             stored = sum(median(r["runs"]["ckptd.zstd.stored"]) for r in self.results)
-            self.rows.append({"section": s, "measure": "zstd: size ratio (raw / stored)",
-                              "key": "ckptd.zstd.stored", "value": B / stored, "unit": "×",
-                              "GBps": None, "vs_floor": "", "vs_dcp": "", "target": "",
-                              "note": f"{fmt_bytes(stored)} stored", "spread": None,
-                              "per_rank": None})
+            self.rows.append(
+                {
+                    "section": s,
+                    "measure": "zstd: size ratio (raw / stored)",
+                    "key": "ckptd.zstd.stored",
+                    "value": B / stored,
+                    "unit": "×",
+                    "GBps": None,
+                    "vs_floor": "",
+                    "vs_dcp": "",
+                    "target": "",
+                    "note": f"{fmt_bytes(stored)} stored",
+                    "spread": None,
+                    "per_rank": None,
+                }
+            )
         if self.has("ckptd.overlap.call"):
-            self.row(s, "overlap=True: save_async returns", "ckptd.overlap.call",
-                     vs_floor=xm(T("ckptd.overlap.call")), vs_dcp=xds(T("ckptd.overlap.call")))
-            self.row(s, "overlap=True: wait_staged() returns", "ckptd.overlap.staged",
-                     vs_floor=xm(T("ckptd.overlap.staged")),
-                     vs_dcp=xds(T("ckptd.overlap.staged")))
-            self.row(s, "overlap=True: durable", "ckptd.overlap.durable", gbps_of=B,
-                     vs_floor=xw(T("ckptd.overlap.durable")),
-                     vs_dcp=xdd(T("ckptd.overlap.durable")))
+            self.row(
+                s,
+                "overlap=True: save_async returns",
+                "ckptd.overlap.call",
+                vs_floor=xm(T("ckptd.overlap.call")),
+                vs_dcp=xds(T("ckptd.overlap.call")),
+            )
+            self.row(
+                s,
+                "overlap=True: wait_staged() returns",
+                "ckptd.overlap.staged",
+                vs_floor=xm(T("ckptd.overlap.staged")),
+                vs_dcp=xds(T("ckptd.overlap.staged")),
+            )
+            self.row(
+                s,
+                "overlap=True: durable",
+                "ckptd.overlap.durable",
+                gbps_of=B,
+                vs_floor=xw(T("ckptd.overlap.durable")),
+                vs_dcp=xdd(T("ckptd.overlap.durable")),
+            )
 
         s = "interference"
         ct = self.cfg["compute_threads"]
         what = f"512×512 fp32 matmul + 8 tiny ops, torch threads={ct}"
         if self.has("interf.floor.slowdown"):
             self.row(s, f"compute alone, it/s ({what})", "interf.floor.alone_rate", unit="it/s")
-            self.row(s, f"floor: slowdown during a bare O_DIRECT write of the same bytes ({k} "
-                     f"files, {k} threads)", "interf.floor.slowdown", unit="×")
+            self.row(
+                s,
+                f"floor: slowdown during a bare O_DIRECT write of the same bytes ({k} "
+                f"files, {k} threads)",
+                "interf.floor.slowdown",
+                unit="×",
+            )
         if self.has("interf.ckptd.alone_rate"):
             sd = T("interf.ckptd.slowdown")
-            self.row(s, "compute during ckptd's background write, it/s",
-                     "interf.ckptd.during_rate", unit="it/s")
-            self.row(s, "slowdown during ckptd's background write", "interf.ckptd.slowdown",
-                     unit="×", vs_dcp=(f"{sd / T('interf.dcp.slowdown'):.2f}× DCP's slowdown"
-                                       if self.has("interf.dcp.slowdown") else ""),
-                     target=self.check("compute ≤ 1.3× slower", sd <= 1.3, f"≤1.3×: {sd:.2f}×"))
-            self.row(s, "ckptd durable while computing", "interf.ckptd.durable", gbps_of=B,
-                     vs_floor=xw(T("interf.ckptd.durable")))
+            self.row(
+                s,
+                "compute during ckptd's background write, it/s",
+                "interf.ckptd.during_rate",
+                unit="it/s",
+            )
+            self.row(
+                s,
+                "slowdown during ckptd's background write",
+                "interf.ckptd.slowdown",
+                unit="×",
+                vs_dcp=(
+                    f"{sd / T('interf.dcp.slowdown'):.2f}× DCP's slowdown"
+                    if self.has("interf.dcp.slowdown")
+                    else ""
+                ),
+                target=self.check("compute ≤ 1.3× slower", sd <= 1.3, f"≤1.3×: {sd:.2f}×"),
+            )
+            self.row(
+                s,
+                "ckptd durable while computing",
+                "interf.ckptd.durable",
+                gbps_of=B,
+                vs_floor=xw(T("interf.ckptd.durable")),
+            )
         if self.has("interf.dcp.slowdown"):
-            self.row(s, "compute during DCP async_save's background write, it/s",
-                     "interf.dcp.during_rate", unit="it/s")
-            self.row(s, "slowdown during DCP async_save's background write",
-                     "interf.dcp.slowdown", unit="×")
-            self.row(s, "DCP async_save durable while computing", "interf.dcp.durable",
-                     gbps_of=B, vs_floor=xw(T("interf.dcp.durable")))
+            self.row(
+                s,
+                "compute during DCP async_save's background write, it/s",
+                "interf.dcp.during_rate",
+                unit="it/s",
+            )
+            self.row(
+                s,
+                "slowdown during DCP async_save's background write",
+                "interf.dcp.slowdown",
+                unit="×",
+            )
+            self.row(
+                s,
+                "DCP async_save durable while computing",
+                "interf.dcp.durable",
+                gbps_of=B,
+                vs_floor=xw(T("interf.dcp.durable")),
+            )
 
     def markdown(self) -> str:
         multi = self.world > 1
-        head = ["#", "measure", "median", "GB/s", "vs floor", "vs DCP", "target",
-                "spread"] + (["per-rank medians"] if multi else [])
-        lines = ["| " + " | ".join(head) + " |",
-                 "|" + "|".join("---:" if h in ("#", "median", "GB/s", "spread") else "---"
-                                for h in head) + "|"]
+        head = ["#", "measure", "median", "GB/s", "vs floor", "vs DCP", "target", "spread"] + (
+            ["per-rank medians"] if multi else []
+        )
+        lines = [
+            "| " + " | ".join(head) + " |",
+            "|"
+            + "|".join("---:" if h in ("#", "median", "GB/s", "spread") else "---" for h in head)
+            + "|",
+        ]
         for i, r in enumerate(self.rows, 1):
             v = r["value"]
             if r["unit"] == "s":
@@ -694,10 +945,16 @@ class Report:
                 val = f"{v:.2f}×"
             else:
                 val = f"{v:.1f} {r['unit']}"
-            cells = [str(i), f"{r['section']}: {r['measure']}" + (f" {r['note']}" if r["note"]
-                                                                   else ""),
-                     val, f"{r['GBps']:.2f}" if r["GBps"] else "", r["vs_floor"], r["vs_dcp"],
-                     r["target"], f"{r['spread'] * 100:.0f}%" if r["spread"] else ""]
+            cells = [
+                str(i),
+                f"{r['section']}: {r['measure']}" + (f" {r['note']}" if r["note"] else ""),
+                val,
+                f"{r['GBps']:.2f}" if r["GBps"] else "",
+                r["vs_floor"],
+                r["vs_dcp"],
+                r["target"],
+                f"{r['spread'] * 100:.0f}%" if r["spread"] else "",
+            ]
             if multi:
                 pr = r["per_rank"]
                 if pr is None:
@@ -717,17 +974,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure, after 1 warm-up")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up runs per figure (default 1)")
     ap.add_argument("--json", help="also write every figure (and every run) here")
-    ap.add_argument("--dir", help="where checkpoints go (default: a fresh directory on the "
-                    "writable non-tmpfs filesystem with the most free space); deleted at the end "
-                    "if created here")
-    ap.add_argument("--compute-threads", type=int, default=1,
-                    help="torch threads of the compute loop standing for training (default 1)")
-    ap.add_argument("--alone-s", type=float, default=1.0,
-                    help="seconds of compute alone before and after each interference run")
-    ap.add_argument("--interference-runs", type=int, default=5,
-                    help="timed runs of each interference figure (noisy: default 5)")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument(
+        "--dir",
+        help="where checkpoints go (default: a fresh directory on the "
+        "writable non-tmpfs filesystem with the most free space); deleted at the end "
+        "if created here",
+    )
+    ap.add_argument(
+        "--compute-threads",
+        type=int,
+        default=1,
+        help="torch threads of the compute loop standing for training (default 1)",
+    )
+    ap.add_argument(
+        "--alone-s",
+        type=float,
+        default=1.0,
+        help="seconds of compute alone before and after each interference run",
+    )
+    ap.add_argument(
+        "--interference-runs",
+        type=int,
+        default=5,
+        help="timed runs of each interference figure (noisy: default 5)",
+    )
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="multi-rank timeout, seconds")
     args = ap.parse_args(argv)
     if args.ranks < 1:
@@ -745,12 +1020,21 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"{root}: {fmt_bytes(free)} free, need ≥ {fmt_bytes(3 * size)}")
     machine = machine_info(root)
     dropping = machine["drop_caches"]
-    cfg = {"size": size, "runs": max(1, args.runs), "warmup": max(0, args.warmup),
-           "compute_threads": args.compute_threads, "alone_s": args.alone_s,
-           "interference_runs": args.interference_runs,
-           "sections": sections, "drop_caches": dropping, "timeout_s": args.timeout}
-    log(f"state {fmt_bytes(size)} over {args.ranks} rank(s), checkpoints in {root}; "
-        f"page cache drop {'permitted' if dropping else 'NOT permitted'}")
+    cfg = {
+        "size": size,
+        "runs": max(1, args.runs),
+        "warmup": max(0, args.warmup),
+        "compute_threads": args.compute_threads,
+        "alone_s": args.alone_s,
+        "interference_runs": args.interference_runs,
+        "sections": sections,
+        "drop_caches": dropping,
+        "timeout_s": args.timeout,
+    }
+    log(
+        f"state {fmt_bytes(size)} over {args.ranks} rank(s), checkpoints in {root}; "
+        f"page cache drop {'permitted' if dropping else 'NOT permitted'}"
+    )
     t0 = time.perf_counter()
     try:
         results = run_ranks(args.ranks, cfg, root)
@@ -763,13 +1047,18 @@ def main(argv: list[str] | None = None) -> None:
     rep.build()
     info = results[0]["info"]
     sh = info["shape"]
-    title = (f"**ckptd save benchmark** — {fmt_bytes(rep.nbytes)} state ({info['ntensors']} "
-             f"tensors per rank: {sh['layers']}-layer transformer, hidden {sh['hidden']}, ffn "
-             f"{sh['ffn']}, vocab {sh['vocab']}; bf16 params + fp32 master/exp_avg/exp_avg_sq) "
-             f"on {args.ranks} rank(s); median of {cfg['runs']} runs after {cfg['warmup']} "
-             f"warm-up; torch {torch.__version__}, {machine['nproc']} CPUs, load avg "
-             f"{machine['loadavg_at_start'][0]:.1f} → {machine['loadavg_at_end'][0]:.1f}; "
-             f"run took {elapsed:.0f} s")
+    title = (
+        f"**ckptd save benchmark** — {fmt_bytes(rep.nbytes)} state ({info['ntensors']} "
+        f"tensors per rank: {sh['layers']}-layer transformer, hidden {sh['hidden']}, ffn "
+        f"{sh['ffn']}, vocab {sh['vocab']}; bf16 params + fp32 master/exp_avg/exp_avg_sq) "
+        f"on {args.ranks} rank(s); median of {cfg['runs']} runs after {cfg['warmup']} "
+        f"warm-up; ckptd {machine.get('ckptd')}"
+        + (f" (git {machine['git']})" if machine.get("git") else "")
+        + "; "
+        f"torch {torch.__version__}, {machine['nproc']} CPUs, load avg "
+        f"{machine['loadavg_at_start'][0]:.1f} → {machine['loadavg_at_end'][0]:.1f}; "
+        f"run took {elapsed:.0f} s"
+    )
     notes = [
         "Times are from the call until the figure's event; 'durable' includes the fsync of "
         "every new directory (DCP and ckptd both fsync their files, neither fsyncs every "
@@ -781,9 +1070,13 @@ def main(argv: list[str] | None = None) -> None:
         "spread = (max − min) ÷ median over the runs (the noisiest rank for --ranks > 1). "
         "With --ranks > 1 the median column is the slowest rank's median (times), the sum "
         "over ranks (compute it/s), or Σ alone ÷ Σ during over ranks (slowdowns).",
-        "page cache: " + ("dropped before every run" if dropping else
-                          "NOT dropped (writing /proc/sys/vm/drop_caches is not permitted "
-                          "here); every write is fsynced and files are deleted between runs"),
+        "page cache: "
+        + (
+            "dropped before every run"
+            if dropping
+            else "NOT dropped (writing /proc/sys/vm/drop_caches is not permitted "
+            "here); every write is fsynced and files are deleted between runs"
+        ),
     ]
     for r in results:
         notes.extend(r.get("notes", [])[:1])
@@ -791,10 +1084,24 @@ def main(argv: list[str] | None = None) -> None:
     print(out, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "config": cfg, "machine": machine, "dir": root,
-                       "nbytes": rep.nbytes, "elapsed_s": elapsed, "rows": rep.rows,
-                       "targets": rep.targets, "notes": notes, "ranks": results,
-                       "markdown": out}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "config": cfg,
+                    "machine": machine,
+                    "dir": root,
+                    "nbytes": rep.nbytes,
+                    "elapsed_s": elapsed,
+                    "rows": rep.rows,
+                    "targets": rep.targets,
+                    "notes": notes,
+                    "ranks": results,
+                    "markdown": out,
+                },
+                f,
+                indent=1,
+                default=str,
+            )
 
 
 if __name__ == "__main__":
