@@ -21,16 +21,36 @@ class Tunables:
     frame_bytes: int = 1 << 20
     # Chunk start offsets in data files are aligned to this (O_DIRECT needs 4 KiB alignment).
     file_alignment: int = 4096
-    # A rank's data is split into up to `io_threads` files written in parallel, but no file is
-    # made smaller than this: many tiny files cost more in metadata than parallelism wins.
+    # A rank's data is split into up to `files_per_thread * io_threads` files, written in
+    # parallel and each started as soon as its part is staged (the disk works while the rest is
+    # being copied), but no file is made smaller than this: tiny files cost more in metadata
+    # than the overlap wins.
     min_file_bytes: int = 64 << 20
+    files_per_thread: int = 4
     # How long the coordinator waits for every rank's partial manifest before giving up. A rank
     # that died mid-save therefore fails the commit after this long, leaving `latest` unchanged.
     commit_timeout_s: float = 600.0
-    # Polling interval bounds when waiting on storage for partials / the manifest (backs off
-    # from the first to the second value).
+    # `ckptd gc` aborts incomplete multipart uploads (S3) at least this old. An upload is only
+    # useful to a save that can still commit: one whose ranks are still writing, or whose
+    # coordinator is still waiting (at most `commit_timeout_s` after its own data is written).
+    # An hour leaves a save's slowest data file an hour to upload; gc refuses any value not
+    # above `commit_timeout_s`. Uploads under steps that gc removes as incomplete (older than
+    # the newest commit) are aborted whatever their age: no save can commit them any more.
+    gc_upload_min_age_s: float = 3600.0
+    # Pause between two polls of storage while waiting for partials (coordinator) or for the
+    # manifest (other ranks): it starts at the first value and doubles up to the second, each
+    # pause drawn in [½, 1] of that (jitter, so that ranks do not poll in lockstep). These two
+    # are for filesystems and memory://, where a poll is a cheap metadata call.
     poll_min_s: float = 0.001
     poll_max_s: float = 0.05
+    # The same for object stores (S3 and other remote fsspec URLs; the storage reports its own
+    # bounds through `poll_interval_s`, see ckptd/storage/base.py). A request there takes
+    # 10-30 ms, so polling faster than every 50 ms only queues requests; and a waiting rank
+    # makes 2 requests per poll (GET manifest, GET FAILED), so at the 1 s ceiling 1000 waiting
+    # ranks make ~2000 GET/s on one prefix, under S3's 5500 GET/s per prefix. The price is at
+    # most 1 s (plus a request) between the commit and its detection by a rank.
+    remote_poll_min_s: float = 0.05
+    remote_poll_max_s: float = 1.0
     # Host memory a load may use for read buffers beyond the destination tensors. Loads needing
     # more than this verify in a first streaming pass and copy in a second (see docs/format.md).
     load_budget_bytes: int = 512 << 20

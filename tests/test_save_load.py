@@ -174,7 +174,11 @@ def test_keep_last_never_removes_the_newest(tmp_path):
     with ckptd.Checkpointer(str(tmp_path), keep_last=2) as c:
         for s in range(5):
             c.save({"x": torch.full((4,), float(s))}, step=s)
-        assert [int(n[5:]) for n in sorted(p.name for p in tmp_path.glob("step-*"))] == [3, 4]
+    # retention runs after each commit; close() (end of the with-block) drained it
+    assert [int(n[5:]) for n in sorted(p.name for p in tmp_path.glob("step-*"))] == [3, 4]
+    with ckptd.Checkpointer(str(tmp_path), keep_last=1) as c:
         dst = {"x": torch.zeros(4)}
         c.load(dst)
         assert torch.equal(dst["x"], torch.full((4,), 4.0))
+        c.save({"x": torch.full((4,), 5.0)}, step=5)
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000005"]

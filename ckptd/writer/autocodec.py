@@ -31,7 +31,7 @@ GAIN = 0.9  # compress only if it saves at least 10 %
 @dataclass
 class AutoCodec:
     threads: int
-    level: int = 3
+    level: int = 1
     write_bps: float | None = None  # storage write bandwidth, bytes/s (EMA)
     zstd_bps: float | None = None  # compressor throughput per thread, bytes/s
     ratio: float | None = None  # raw / compressed on the sample

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-import torch
+import numpy as np
 import xxhash
 import zstandard
 
@@ -53,14 +53,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def _planes(raw: Buffer, itemsize: int, inverse: bool) -> bytes:
-    t = torch.frombuffer(bytearray(raw) if isinstance(raw, bytes) else raw, dtype=torch.uint8)
-    n = t.numel() // itemsize
-    if inverse:
-        return t.view(itemsize, n).t().contiguous().numpy().tobytes()
-    return t.view(n, itemsize).t().contiguous().numpy().tobytes()
+    """Regroup bytes into planes (byte 0 of every element, then byte 1, ...) or back. numpy
+    does this ~8x faster than torch here (0.3 vs 2.5 ms per 1 MiB frame)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    n = a.size // itemsize
+    shape = (itemsize, n) if inverse else (n, itemsize)
+    return np.ascontiguousarray(a.reshape(shape).T).tobytes()
 
 
-def encode(raw: Buffer, codec: str, itemsize: int, level: int = 3) -> Buffer:
+def encode(raw: Buffer, codec: str, itemsize: int, level: int = 1) -> Buffer:
     """The stored form of one frame."""
     if codec == RAW:
         return raw
@@ -85,10 +86,13 @@ def decode(stored: Buffer, codec: str, raw_len: int, itemsize: int) -> Buffer:
 
 
 def parse_compression(spec: str | None) -> tuple[str, int]:
-    """``None`` -> raw; ``"zstd"`` / ``"zstd:LEVEL"`` -> byte planes + zstd at that level."""
+    """``None`` -> raw; ``"zstd"`` / ``"zstd:LEVEL"`` -> byte planes + zstd at that level.
+
+    The default level is 1: on float data it was both ~2x faster than level 3 and compressed
+    no worse (only the sign/exponent plane compresses; benchmarks/README.md)."""
     if spec is None or spec in ("none", RAW):
         return RAW, 0
     name, _, level = spec.partition(":")
     if name != "zstd":
         raise ValueError(f"compression must be None or 'zstd[:LEVEL]', got {spec!r}")
-    return ZSTD_PLANES, int(level) if level else 3
+    return ZSTD_PLANES, int(level) if level else 1

@@ -3,25 +3,60 @@
 No collectives: the coordinator learns that every rank is done by finding their partial
 manifests on storage, and the other ranks learn that the step is committed by finding the
 manifest (of *their* attempt) — or a ``FAILED`` marker with the coordinator's reason.
+
+Waiting is polling, paced per backend (:class:`Poller`): a filesystem is polled every 1-50 ms,
+an object store every 50 ms-1 s (``ckptd.config``: ``poll_*`` and ``remote_poll_*``), because
+there every poll is a billed, rate-limited request. Whatever the backend, a wait ends at
+``commit_timeout_s``. The coordinator makes one LIST per poll, every other rank two GETs
+(manifest, FAILED marker).
+
+Nothing here reads ``latest``: it is advisory (a crash between the manifest and the pointer, or
+an object store, may leave it stale). The newest committed step is found by listing the step
+directories and checking their manifests (:func:`committed_steps`).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
+from dataclasses import dataclass, field
 
 from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, merge
 from ckptd.manifest import layout as L
 from ckptd.storage import Storage
+from ckptd.storage.base import poll_interval
+
+_jitter = random.Random()
 
 
-def _poll(deadline: float, delay: float) -> float:
-    if time.monotonic() > deadline:
-        raise TimeoutError
-    time.sleep(delay)
-    return min(delay * 2, config.get().poll_max_s)
+class Poller:
+    """Pauses between polls of ``storage`` until ``timeout_s`` has passed.
+
+    The first pause is the storage's first interval (:func:`ckptd.storage.base.poll_interval`);
+    each next one doubles, up to the storage's longest. Every pause is drawn uniformly in [½, 1]
+    of the current interval, so ranks that started waiting together do not poll in lockstep, and
+    none ends past the deadline. Bounded both ways: at most ``longest`` between two polls, and
+    at most about ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
+    """
+
+    def __init__(self, storage: Storage, timeout_s: float) -> None:
+        self.first, self.longest = poll_interval(storage)
+        self.interval = self.first
+        self.deadline = time.monotonic() + timeout_s
+        self.polls = 0
+
+    def wait(self) -> bool:
+        """Pause before the next poll; False (without pausing) once the deadline has passed."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            return False
+        time.sleep(min(self.interval * _jitter.uniform(0.5, 1.0), self.deadline - now))
+        self.interval = min(self.interval * 2, self.longest)
+        self.polls += 1
+        return True
 
 
 def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
@@ -54,22 +89,19 @@ def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_i
     """Wait for every rank's partial of ``attempt``, merge them, commit. On failure, leave a
     FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched."""
     try:
-        deadline = time.monotonic() + config.get().commit_timeout_s
-        delay = config.get().poll_min_s
+        poller = Poller(storage, config.get().commit_timeout_s)
         d = L.partials_dir(step, attempt)
         while True:
             present = [n for n in storage.list_dir(d) if n.endswith(".json")]
             if len(present) >= world_size:
                 break
-            try:
-                delay = _poll(deadline, delay)
-            except TimeoutError:
+            if not poller.wait():
                 have = sorted(int(n[:-5]) for n in present)
                 missing = sorted(set(range(world_size)) - set(have))
                 raise CkptdError(
                     f"step {step}: ranks {missing} did not finish their share within "
                     f"{config.get().commit_timeout_s:.0f}s; not committed"
-                ) from None
+                )
         manifest = merge(read_partials(storage, step, attempt))
         check_owner(storage, run_id)
         storage.put_atomic(L.manifest_path(step), manifest.encode())
@@ -86,27 +118,23 @@ def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_i
 
 def wait_committed(storage: Storage, step: int, attempt: str) -> Manifest:
     """Block until the coordinator committed ``attempt`` (or raise its reason)."""
-    deadline = time.monotonic() + config.get().commit_timeout_s
-    delay = config.get().poll_min_s
+    poller = Poller(storage, config.get().commit_timeout_s)
     path = L.manifest_path(step)
     while True:
-        if storage.exists(path):
-            try:
-                m = decode(storage.read_bytes(path), path)
-            except (FileNotFoundError, CorruptCheckpoint):
-                m = None  # replaced under our feet by retention/another commit: look again
-            if m is not None and m.attempt == attempt:
-                return m
+        try:  # one GET (not exists + GET: on an object store `exists` costs up to two requests)
+            m: Manifest | None = decode(storage.read_bytes(path), path)
+        except (FileNotFoundError, CorruptCheckpoint):
+            m = None  # not yet, or replaced under our feet by retention/another commit
+        if m is not None and m.attempt == attempt:
+            return m
         error = _failed_error(storage, step, attempt)
         if error is not None:
             raise error
-        try:
-            delay = _poll(deadline, delay)
-        except TimeoutError:
+        if not poller.wait():
             raise CkptdError(
                 f"step {step}: no commit after {config.get().commit_timeout_s:.0f}s "
                 "(coordinator dead?)"
-            ) from None
+            )
 
 
 def claim(storage: Storage, run_id: str) -> None:
@@ -174,13 +202,64 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
     return doomed
 
 
-def gc_incomplete(storage: Storage) -> list[int]:
-    """Remove step directories without a manifest that are older than the newest commit."""
+def incomplete_steps(storage: Storage) -> list[int]:
+    """Steps without a manifest that are older than the newest commit: no save can commit them
+    any more (a rank's saves run one after another, so by the time a newer step is committed an
+    older one has committed or failed), so their objects are garbage."""
     committed = committed_steps(storage)
     if not committed:
         return []
     newest = committed[-1]
-    doomed = [s for s in all_steps(storage) if s < newest and s not in committed]
+    return [s for s in all_steps(storage) if s < newest and s not in committed]
+
+
+def gc_incomplete(storage: Storage) -> list[int]:
+    """Remove step directories without a manifest that are older than the newest commit."""
+    doomed = incomplete_steps(storage)
     for s in doomed:
         storage.remove(L.step_dir(s))
     return doomed
+
+
+@dataclass
+class GcReport:
+    removed_committed: list[int] = field(default_factory=list)
+    removed_incomplete: list[int] = field(default_factory=list)
+    aborted_uploads: int = 0
+
+
+def collect_garbage(
+    storage: Storage, *, keep_last: int = 0, upload_min_age_s: float | None = None
+) -> GcReport:
+    """``ckptd gc``: retention (``keep_last`` > 0), incomplete steps, and on object stores the
+    multipart uploads that failed saves left behind (invisible, but billed).
+
+    Uploads under the incomplete steps are aborted whatever their age, before their objects are
+    removed; anywhere else under the root only those at least ``upload_min_age_s`` old
+    (default: ``config.gc_upload_min_age_s`` or twice ``commit_timeout_s``, whichever is
+    longer), which must exceed ``commit_timeout_s`` so that an upload of a save that may still
+    commit is never aborted.
+    """
+    cfg = config.get()
+    min_age = (
+        max(cfg.gc_upload_min_age_s, 2 * cfg.commit_timeout_s)
+        if upload_min_age_s is None
+        else float(upload_min_age_s)
+    )
+    if min_age <= cfg.commit_timeout_s:
+        raise ValueError(
+            f"upload min age {min_age:g}s must exceed the commit timeout "
+            f"({cfg.commit_timeout_s:g}s): a younger upload may belong to a save still in flight"
+        )
+    report = GcReport()
+    if keep_last > 0:
+        report.removed_committed = apply_retention(storage, keep_last)
+    abort = getattr(storage, "abort_incomplete_uploads", None)
+    report.removed_incomplete = incomplete_steps(storage)
+    for s in report.removed_incomplete:
+        if abort is not None:
+            report.aborted_uploads += int(abort(L.step_dir(s), min_age_s=0.0))
+        storage.remove(L.step_dir(s))
+    if abort is not None:
+        report.aborted_uploads += int(abort("", min_age_s=min_age))
+    return report

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -105,25 +105,8 @@ def _chunk(
     )
 
 
-def write_all(
-    pool: ThreadPoolExecutor,
-    storage: Storage,
-    step_dir: str,
-    paths: list[str],
-    arena: torch.Tensor,
-    plans: list[FilePlan],
-    codec: str,
-    level: int,
-    frame_bytes: int,
-    rank: int,
-) -> ChunkList:
-    """Write every file of the rank in parallel; the first error is raised after all stop."""
-    futures = [
-        pool.submit(
-            write_file, storage, step_dir, path, arena, plan, codec, level, frame_bytes, rank
-        )
-        for path, plan in zip(paths, plans, strict=True)
-    ]
+def gather(futures: list[Future[ChunkList]]) -> ChunkList:
+    """Every file's chunks; the first error is raised after all files stopped."""
     out: ChunkList = []
     error: BaseException | None = None
     for f in futures:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
-from ckptd.writer.files import write_all
+from ckptd.writer.files import ChunkList, gather, write_file
 from ckptd.writer.pack import FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
 
@@ -81,8 +81,9 @@ def split_rows(piece: Piece, max_bytes: int) -> list[Piece]:
     return out
 
 
-def plan_rounds(pieces: list[Piece], files: int, budget: int | None) -> list[Round]:
+def plan_rounds(pieces: list[Piece], threads: int, budget: int | None) -> list[Round]:
     cfg = config.get()
+    files = threads * cfg.files_per_thread
     total = sum(p.view.numel() * p.view.element_size() for p in pieces)
     if budget is None or total <= budget:
         plans, size = pack(pieces, files, cfg.file_alignment, cfg.min_file_bytes)
@@ -140,26 +141,39 @@ class RankWriter:
         self.codec = codec
         self.level = level
 
-    def write_round(
-        self,
-        share: Share,
-        arena: Arena,
-        rnd: Round,
-        first_index: int,
-    ) -> list[tuple[str, Chunk]]:
-        paths = [L.data_file(share.attempt, share.rank, first_index + p.index) for p in rnd.plans]
-        return write_all(
-            self.io,
-            self.storage,
-            L.step_dir(share.step),
-            paths,
-            arena.buffer,
-            rnd.plans,
-            self.codec,
-            self.level,
-            config.get().frame_bytes,
-            share.rank,
-        )
+    def start_files(
+        self, share: Share, arena: Arena, rnd: Round, first_index: int, *, stage_first: bool
+    ) -> list[Future[ChunkList]]:
+        """Hand each file of the round to an I/O thread; with ``stage_first``, stage each file's
+        pieces just before, so the disk starts on file 0 while file 1 is being staged."""
+        futures: list[Future[ChunkList]] = []
+        try:
+            for plan in rnd.plans:
+                if stage_first:
+                    stage(arena.buffer, [plan])
+                path = L.data_file(share.attempt, share.rank, first_index + plan.index)
+                futures.append(
+                    self.io.submit(
+                        write_file,
+                        self.storage,
+                        L.step_dir(share.step),
+                        path,
+                        arena.buffer,
+                        plan,
+                        self.codec,
+                        self.level,
+                        config.get().frame_bytes,
+                        share.rank,
+                    )
+                )
+        except BaseException:
+            for f in futures:  # the arena must outlive every write that reads it
+                f.exception()
+            raise
+        return futures
+
+    def write_round(self, share: Share, arena: Arena, rnd: Round, first_index: int) -> ChunkList:
+        return gather(self.start_files(share, arena, rnd, first_index, stage_first=False))
 
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         by_name: dict[str, list[Chunk]] = {}
