@@ -215,6 +215,18 @@ class Checkpointer:
             handle.stall_s = time.perf_counter() - t0
         return handle
 
+    def reserve(self, state: Any) -> int:
+        """Allocate (and fault in) the staging memory ``state`` will need, ahead of the first
+        save, so that save's stall is one copy rather than one copy plus page faults (0.5-2.6 s
+        for 2 GiB here). Returns the bytes reserved."""
+        described = describe(state, self.rank, self.world_size)
+        rounds = plan_rounds(
+            [p for p in described.pieces if p.is_writer], self.threads, self.host_budget_bytes
+        )
+        need = max(r.nbytes for r in rounds)
+        self.pool.release(self.pool.acquire(need))
+        return need
+
     def save(
         self, state: Any, *, step: int | None = None, training: dict[str, Any] | None = None
     ) -> SaveResult:

@@ -181,3 +181,12 @@ def test_interpreter_exit_drains_in_flight_saves(tmp_path):
         dst = {"w": torch.zeros(1 << 20)}
         c.load(dst)
         assert torch.equal(dst["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_reserve_allocates_the_staging_memory_before_the_first_save(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path)) as c:
+        state = _state(1.0)
+        reserved = c.reserve(state)
+        assert c.pool.allocations == 1 and c.pool.nbytes >= reserved
+        c.save(state, step=1)
+        assert c.pool.allocations == 1  # the first save reused the reserved arena
