@@ -79,6 +79,14 @@ def latest_step() -> int | None:
     return _get().latest_step()
 
 
-def load(state: Any, *, step: int | None = None, strict: bool = True) -> LoadResult:
-    """Fill ``state`` in place from a committed step, resharding to its layout."""
-    return _get().load(state, step=step, strict=strict)
+def load(
+    state: Any,
+    *,
+    step: int | None = None,
+    strict: bool = True,
+    source: str | None = None,
+    trust: bool = False,
+) -> LoadResult:
+    """Fill ``state`` in place from a committed step, resharding to its layout; ``source`` may
+    name a torch.distributed.checkpoint directory (``trust=True`` to read its pickle)."""
+    return _get().load(state, step=step, strict=strict, source=source, trust=trust)

@@ -392,9 +392,26 @@ class Checkpointer:
             raise CheckpointNotFound(f"{self.url}/{path}: no committed step {step}") from None
         return decode(raw, f"{self.url}/{path}")
 
-    def load(self, state: Any, *, step: int | None = None, strict: bool = True) -> LoadResult:
-        """Fill ``state`` in place from a committed step (resharding to its layout)."""
+    def load(
+        self,
+        state: Any,
+        *,
+        step: int | None = None,
+        strict: bool = True,
+        source: str | None = None,
+        trust: bool = False,
+    ) -> LoadResult:
+        """Fill ``state`` in place from a committed step (resharding to its layout).
+
+        ``source`` loads from another checkpoint instead of this root: a
+        torch.distributed.checkpoint directory (its pickled ``.metadata`` is only read with
+        ``trust=True``)."""
         self._check_open()
+        from ckptd.interop.dcp import load_from_dcp  # lazy: only DCP sources need it
+
+        dcp = load_from_dcp(self, state, source=source, step=step, strict=strict, trust=trust)
+        if dcp is not None:
+            return dcp
         if step is None:
             step = self._agreed_latest()
             if step is None:

@@ -1,0 +1,145 @@
+"""``ckptd export`` and ``ckptd import-dcp``: thin shells over ``ckptd.interop``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from ckptd.cli import _human
+
+Add = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "dcp":
+        from ckptd.interop.dcp_export import export_dcp
+
+        unusable = [
+            f"--{o.replace('_', '-')}"
+            for o in ("select", "strip_prefix", "dtype", "fuse")
+            if getattr(args, o)
+        ]
+        if unusable or args.max_shard_size != "5GB":
+            raise ValueError(f"{', '.join(unusable) or '--max-shard-size'}: safetensors only")
+        with _Bar("export") as bar:
+            report: Any = export_dcp(
+                args.ckpt, args.out, storage_options=args.storage_options, progress=bar.update
+            )
+        summary = (
+            f"wrote {report.items} items of {report.tensors} tensors ({_human(report.nbytes)}) "
+            f"of step {report.step} to {report.url}"
+            + (
+                f"; left out {report.skipped_locals} per-rank values"
+                if report.skipped_locals
+                else ""
+            )
+        )
+    else:
+        from ckptd.interop.safetensors_export import export_safetensors
+
+        with _Bar("export") as bar:
+            report = export_safetensors(
+                args.ckpt,
+                args.out,
+                select=args.select,
+                strip_prefix=args.strip_prefix or "",
+                max_shard_size=args.max_shard_size,
+                dtype=args.dtype,
+                fuse=args.fuse or (),
+                storage_options=args.storage_options,
+                progress=bar.update,
+            )
+        summary = (
+            f"wrote {report.tensors} tensors ({_human(report.total_size)}) of step {report.step} "
+            f"in {len(report.files)} files + model.safetensors.index.json to {report.url}"
+        )
+    print(json.dumps(asdict(report)) if args.json else summary)
+    return 0
+
+
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    from ckptd.interop.dcp_import import import_dcp
+
+    with _Bar("import") as bar:
+        report = import_dcp(
+            args.src,
+            args.out,
+            trust=args.trust,
+            step=args.step,
+            compression=args.compression,
+            storage_options=args.storage_options,
+            progress=bar.update,
+        )
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        print(
+            f"imported {report.tensors} tensors and {report.values} values as step "
+            f"{report.step}: {report.url} ({_human(report.nbytes)})"
+            + (f"; skipped non-JSON objects {report.skipped}" if report.skipped else "")
+        )
+    return 0
+
+
+class _Bar:
+    """A byte-counting progress bar on stderr (off when stderr is not a terminal)."""
+
+    def __init__(self, desc: str) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a dependency; degrade quietly
+            self.bar = None
+        else:
+            self.bar = tqdm(desc=desc, unit="B", unit_scale=True, disable=None, file=sys.stderr)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def register(sub: Any, add: Add) -> None:
+    ex = add("export", cmd_export, "write a checkpoint as safetensors (Hugging Face) or DCP")
+    ex.add_argument("ckpt", help="ROOT (newest step) or ROOT/step-NNNNNNNNN")
+    ex.add_argument("--format", choices=["safetensors", "dcp"], required=True)
+    ex.add_argument("--out", required=True, help="output directory (path or URL)")
+    ex.add_argument(
+        "--select",
+        action="append",
+        metavar="GLOB",
+        help="logical tensors to export (repeatable; default all), e.g. 'model/*'",
+    )
+    ex.add_argument("--strip-prefix", metavar="PREFIX", help="removed from names, e.g. model/")
+    ex.add_argument("--max-shard-size", default="5GB", help="per file (default 5GB)")
+    ex.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16, fp32")
+    ex.add_argument(
+        "--fuse",
+        action="append",
+        metavar="T=A,B[,..][@DIM]",
+        help="write parts A, B.. concatenated along DIM as T ('*' matches any text)",
+    )
+    im = add("import-dcp", cmd_import_dcp, "convert a torch.distributed.checkpoint directory")
+    im.add_argument("src", help="the DCP directory (holds .metadata)")
+    im.add_argument("--out", required=True, help="the ckptd root to write the step into")
+    im.add_argument(
+        "--trust",
+        action="store_true",
+        help="allow unpickling DCP's .metadata (it can run code: trusted sources only)",
+    )
+    im.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="step number (default: the checkpoint's 'step' value, else 0)",
+    )
+    im.add_argument("--compression", default=None, help="zstd or zstd:LEVEL")

@@ -1,0 +1,355 @@
+"""A torch.distributed.checkpoint directory as the source of a ckptd load.
+
+``load_dcp(state, "old/dcp/step-1000", trust=True)`` fills ``state`` — any ckptd state tree:
+DTensors, ``Shard``, ``FlatShard``, ``Fused``, plain tensors, JSON values — from a checkpoint
+that ``torch.distributed.checkpoint.save`` wrote on any number of ranks. Each rank reads only the
+DCP items that overlap its pieces. Same guarantees as a ckptd load, in the same order:
+
+1. **check** — metadata readable (and trusted), every destination tensor present with the same
+   global shape and dtype, every destination value present (``strict``), no saved tensor left
+   unasked (``strict``; across ranks when ``torch.distributed`` is initialised);
+2. **read** — the needed items are fetched and decoded (within the load budget; beyond it they
+   are decoded in batches and fetched again for the copy);
+3. **agree** — with ``torch.distributed`` initialised, every rank learns every rank's error, so all
+   raise the same error class together and nobody waits on a peer that gave up;
+4. **copy** — only now is any destination element written.
+
+DCP has no per-rank values: ``ckptd.Local`` leaves keep their current value. A value that DCP
+stored as one list (``optim.param_groups.0.betas``) fills the ckptd leaves of its elements
+(``optim/param_groups/0/betas/0``...).
+
+:func:`load_from_dcp` is what ``Checkpointer.load`` calls (``source=`` or a DCP root).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptd import config, errors
+from ckptd.checkpointer import Checkpointer, LoadResult
+from ckptd.errors import CkptdError, StateMismatch
+from ckptd.interop.dcp_format import (
+    DcpChunk,
+    DcpIndex,
+    DcpObject,
+    DcpTensor,
+    Item,
+    UntrustedPickle,
+    decode_object,
+    decode_tensor,
+    fetch,
+    is_dcp,
+    read_index,
+)
+from ckptd.regions import Box, copy_region
+from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
+from ckptd.storage import Storage, open_storage
+
+__all__ = ["is_dcp", "load_dcp", "load_from_dcp"]
+
+
+@dataclass
+class _Copy:
+    piece: Piece
+    region: Box
+    tensor: DcpTensor
+    chunk: DcpChunk
+
+
+@dataclass
+class _Plan:
+    copies: list[_Copy]
+    values: dict[str, tuple[str, list[str]]]  # destination key -> (DCP object name, sub-path)
+
+    def items(self) -> list[tuple[DcpTensor, DcpChunk]]:
+        seen: dict[Item, tuple[DcpTensor, DcpChunk]] = {}
+        for c in self.copies:
+            seen.setdefault(c.chunk.item, (c.tensor, c.chunk))
+        return list(seen.values())
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _gather(obj: Any) -> list[Any]:
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed, with the first failing rank's error class."""
+    reports = _gather(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise _remote(rank, report)
+
+
+def _resolve_value(index: DcpIndex, key: str) -> tuple[str, list[str]] | None:
+    """The DCP object holding destination value ``key``: itself, or a list it is inside of."""
+    parts = key.split("/")
+    for n in range(len(parts), 0, -1):
+        name = "/".join(parts[:n])
+        if name in index.objects:
+            return name, parts[n:]
+    return None
+
+
+def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, list[str]]:
+    problems: list[str] = []
+    copies: list[_Copy] = []
+    for p in described.pieces:
+        if p.name.startswith(f"{LOCAL_PREFIX}/"):
+            continue  # per-rank values: DCP has none, the destination keeps its own
+        t = index.tensors.get(p.name)
+        if t is None:
+            if strict:
+                hint = " (it is a non-tensor object there)" if p.name in index.objects else ""
+                problems.append(f"{p.name}: missing from the checkpoint{hint}")
+            continue
+        if t.shape != p.global_shape:
+            problems.append(f"{p.name}: saved shape {t.shape}, destination {p.global_shape}")
+            continue
+        if t.dtype != p.dtype:
+            problems.append(f"{p.name}: saved dtype {t.dtype}, destination {p.dtype}")
+            continue
+        remaining = [p.box] if p.box.numel else []
+        for c in t.chunks:  # each element from the first chunk that holds it
+            nxt: list[Box] = []
+            for r in remaining:
+                inter = r.intersect(c.box)
+                if inter is None:
+                    nxt.append(r)
+                    continue
+                copies.append(_Copy(p, inter, t, c))
+                nxt.extend(r.subtract(inter))
+            remaining = nxt
+        if remaining:
+            hole = remaining[0]
+            problems.append(
+                f"{p.name}: offsets {list(hole.offsets)} sizes {list(hole.sizes)} are in no "
+                "saved chunk"
+            )
+    values: dict[str, tuple[str, list[str]]] = {}
+    for key in described.values:
+        found = _resolve_value(index, key)
+        if found is not None:
+            values[key] = found
+        elif strict:
+            problems.append(f"{key}: value missing from the checkpoint")
+    return _Plan(copies, values), problems
+
+
+def _batches(
+    items: list[tuple[DcpTensor, DcpChunk]], budget: int
+) -> Iterator[list[tuple[DcpTensor, DcpChunk]]]:
+    batch: list[tuple[DcpTensor, DcpChunk]] = []
+    size = 0
+    for t, c in items:
+        n = c.box.numel * t.itemsize
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append((t, c))
+        size += n
+    if batch:
+        yield batch
+
+
+def read_chunks(
+    storage: Storage, batch: list[tuple[DcpTensor, DcpChunk]], pool: ThreadPoolExecutor
+) -> dict[Item, torch.Tensor]:
+    """Fetch and decode chunks (each item is read whole: it is one ``torch.save``)."""
+    blobs = fetch(storage, [c.item for _, c in batch], pool)
+    return {
+        c.item: decode_tensor(blobs[c.item], t, c, f"{storage.url}/{c.item.file}") for t, c in batch
+    }
+
+
+def read_objects(
+    storage: Storage, objects: list[DcpObject], pool: ThreadPoolExecutor
+) -> dict[str, Any]:
+    blobs = fetch(storage, [o.item for o in objects], pool)
+    return {
+        o.name: decode_object(blobs[o.item], o, f"{storage.url}/{o.item.file}") for o in objects
+    }
+
+
+def _pick(obj: Any, sub: list[str], key: str) -> Any:
+    for part in sub:
+        try:
+            obj = obj[int(part)] if isinstance(obj, (list, tuple)) else obj[part]
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise StateMismatch(f"{key}: not in the checkpoint's value ({e!r})") from e
+    return list(obj) if isinstance(obj, tuple) else obj
+
+
+def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = _dist()
+    if rank is None:
+        rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world_size
+
+
+def load_dcp(
+    state: Any,
+    source: str | Storage,
+    *,
+    trust: bool = False,
+    strict: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    threads: int | None = None,
+) -> LoadResult:
+    """Fill ``state`` in place from the DCP directory ``source`` (a path or fsspec URL).
+
+    ``trust=True`` is required: DCP metadata is a pickle. ``LoadResult.step`` is the checkpoint's
+    top-level ``step`` value when it is an int, else 0.
+
+    >>> load_dcp({"model": model.state_dict()}, "dcp/step-100", trust=True)  # doctest: +SKIP
+    """
+    storage = source if not isinstance(source, str) else open_storage(source, storage_options)
+    rank, world_size = _resolve_world(rank, world_size)
+    with ThreadPoolExecutor(threads or config.io_threads(), thread_name_prefix="ckptd-dcp") as pool:
+        return _load(storage, state, rank, world_size, strict, trust, pool)
+
+
+def _check(
+    storage: Storage, state: Any, rank: int, world_size: int, strict: bool, trust: bool
+) -> tuple[DcpIndex, Described, _Plan]:
+    """Step 1 on every rank; raises the same error class on all ranks when any rank fails."""
+    error: BaseException | None = None
+    asked: list[str] = []
+    problems: list[str] = []
+    try:
+        index = read_index(storage, trust=trust)
+        described = describe(state, rank, world_size)
+        asked = sorted({p.name for p in described.pieces})
+        plan, problems = _plan(index, described, strict)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather
+        error = e
+    failure = None if error is None else (type(error).__name__, str(error))
+    gathered = _gather((asked, problems, failure))
+    if error is not None:
+        raise error
+    for r, (_, _, f) in enumerate(gathered):
+        if f is not None:
+            raise _remote(r, f)
+    many = len(gathered) > 1
+    problems = [
+        f"rank {r}: {m}" if many else m for r, (_, ps, _) in enumerate(gathered) for m in ps
+    ]
+    if strict and (many or world_size == 1):
+        everyone = set().union(*(set(names) for names, _, _ in gathered))
+        unasked = sorted(set(index.tensors) - everyone)
+        problems += [f"{n}: saved but not in the destination state (strict=True)" for n in unasked]
+    if problems:
+        raise StateMismatch(f"{storage.url}: {_summary(problems)}")
+    return index, described, plan
+
+
+def _load(
+    storage: Storage,
+    state: Any,
+    rank: int,
+    world_size: int,
+    strict: bool,
+    trust: bool,
+    pool: ThreadPoolExecutor,
+) -> LoadResult:
+    index, described, plan = _check(storage, state, rank, world_size, strict, trust)
+    items = plan.items()
+    budget = config.get().load_budget_bytes
+    total = sum(c.box.numel * t.itemsize for t, c in items)
+    kept: dict[Item, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:  # 2. read (and decode: that is what verifies a DCP item)
+        wanted = sorted({n for n, _ in plan.values.values()})
+        objects = read_objects(storage, [index.objects[n] for n in wanted], pool)
+        values = {k: _pick(objects[n], sub, k) for k, (n, sub) in plan.values.items()}
+        if total <= budget:
+            kept = read_chunks(storage, items, pool)
+        else:
+            for batch in _batches(items, budget):
+                read_chunks(storage, batch, pool)
+    except Exception as e:  # noqa: BLE001 - every rank must reach _agree
+        error = e
+    _agree(error)  # 3.
+    nbytes = sum(c.item.length for _, c in items)
+    with torch.no_grad():  # 4. copy
+        if total <= budget:
+            _copy(plan.copies, kept)
+        else:
+            for batch in _batches(items, budget):
+                _copy(plan.copies, read_chunks(storage, batch, pool))
+                nbytes += sum(c.item.length for _, c in batch)
+    for key, value in values.items():
+        slot = described.slots.get(key)
+        if slot is not None:
+            slot.container[slot.key] = value
+    step = values.get("step", 0)
+    ok = isinstance(step, int) and not isinstance(step, bool)
+    return LoadResult(step if ok else 0, storage.url, nbytes, {})
+
+
+def _copy(copies: list[_Copy], data: dict[Item, torch.Tensor]) -> None:
+    for c in copies:
+        src = data.get(c.chunk.item)
+        if src is not None:
+            copy_region(c.region, src, c.chunk.box, c.piece.view, c.piece.box)
+
+
+def _remote(rank: int, failure: tuple[str, str]) -> CkptdError:
+    kind, message = failure
+    cls = getattr(errors, kind, None)
+    if kind == UntrustedPickle.__name__:
+        cls = UntrustedPickle
+    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
+        cls = errors.CorruptCheckpoint
+    return cls(f"load aborted on every rank: rank {rank} failed: {message}")
+
+
+def _summary(problems: list[str], limit: int = 8) -> str:
+    more = f"; ... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return "; ".join(problems[:limit]) + more
+
+
+def load_from_dcp(
+    ckpt: Checkpointer,
+    state: Any,
+    *,
+    source: str | None,
+    step: int | None,
+    strict: bool,
+    trust: bool,
+) -> LoadResult | None:
+    """The ``Checkpointer.load`` hook: load from ``source`` (a DCP directory) or, without one,
+    from the Checkpointer's root when that is a DCP directory; None means "not DCP, carry on"."""
+    if source is None and not is_dcp(ckpt.storage):
+        return None
+    storage = ckpt.storage if source is None else open_storage(source)
+    if step is not None:
+        raise CkptdError(
+            f"{storage.url}: a torch.distributed.checkpoint directory holds one checkpoint; "
+            "step= does not apply to it"
+        )
+    with ThreadPoolExecutor(ckpt.threads, thread_name_prefix="ckptd-dcp") as pool:
+        return _load(storage, state, ckpt.rank, ckpt.world_size, strict, trust, pool)

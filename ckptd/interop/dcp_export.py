@@ -1,0 +1,232 @@
+"""``ckptd export --format dcp``: a ckptd checkpoint as a torch.distributed.checkpoint directory.
+
+Written from one process, without ``torch.distributed``: the output is what
+``FileSystemWriter`` would leave (``.metadata`` + ``__0_0.distcp``), and
+``torch.distributed.checkpoint.load`` reads it into any layout (DTensors on any mesh, plain
+tensors), because DCP reshards on load by chunk boxes just as ckptd does.
+
+- **Chunks.** Each logical tensor's saved chunks, made disjoint (replicated copies overlap in
+  ckptd; DCP wants each element once) and cut into row slabs of at most ``SLAB_BYTES``. DCP
+  readers load an item whole, so the slabs also bound what a DCP load of this export holds.
+- **Streaming.** Items are read a slab batch at a time through the ckptd loader, ``torch.save`` d
+  and streamed into one data file; peak memory is a few slabs, whatever the checkpoint size.
+- **Values.** JSON values become DCP objects keyed like DCP's own flattening: a list of scalars
+  (``optim/param_groups/0/betas/0``, ``.../1``) becomes one object (``optim.param_groups.0.betas``),
+  as ``dcp.save`` stores it. ``Local`` (per-rank) tensors and values have no DCP counterpart and
+  are left out (counted in the report).
+- **Names.** DCP keys are the ckptd names with ``/`` -> ``.`` (``model/layers.0.w`` ->
+  ``model.layers.0.w``), i.e. what DCP's flattening gives for the same state tree.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptd.errors import CkptdError
+from ckptd.interop.source import (
+    SLAB_BYTES,
+    BoxReader,
+    Checkpoint,
+    disjoint_boxes,
+    open_checkpoint,
+    split_rows,
+)
+from ckptd.regions import Box
+from ckptd.sharding import LOCAL_PREFIX
+from ckptd.storage import open_storage
+
+DATA_FILE = "__0_0.distcp"
+_RELEASED = torch.empty(0)
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION in torch 2.13
+
+
+@dataclass(frozen=True)
+class DcpExport:
+    url: str
+    step: int
+    tensors: int
+    items: int
+    nbytes: int  # bytes of the data file
+    skipped_locals: int
+
+
+def group_lists(values: dict[str, Any]) -> dict[str, Any]:
+    """ckptd value leaves -> DCP objects: leaves ``P/0 .. P/n-1`` fold into one list ``P``
+    (bottom up, so nested lists of scalars fold entirely), as ``dcp.save`` keeps a list with no
+    tensor or dict inside as one object."""
+    out = dict(values)
+    while True:
+        kids: dict[str, list[str]] = {}
+        inner: set[str] = set()  # prefixes with grandchildren: some child is not a leaf
+        for name in out:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                prefix = "/".join(parts[:i])
+                if i == len(parts) - 1:
+                    kids.setdefault(prefix, []).append(parts[-1])
+                else:
+                    inner.add(prefix)
+        folded = False
+        for parent, ks in kids.items():
+            if parent in inner or parent in out or set(ks) != {str(i) for i in range(len(ks))}:
+                continue
+            out[parent] = [out.pop(f"{parent}/{i}") for i in range(len(ks))]
+            folded = True
+        if not folded:
+            return out
+
+
+def _paths_with_lists(names: list[str]) -> dict[str, tuple[str | int, ...]]:
+    """Path components that index lists (children exactly 0..n-1) become ints, so DCP's
+    ``set_element`` rebuilds lists where the saved state had lists."""
+    kids: dict[str, set[str]] = {}
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            kids.setdefault("/".join(parts[:i]), set()).add(parts[i])
+    listy = {p for p, ks in kids.items() if ks == {str(i) for i in range(len(ks))}}
+    out: dict[str, tuple[str | int, ...]] = {}
+    for name in names:
+        parts = name.split("/")
+        out[name] = tuple(
+            int(c) if i and "/".join(parts[:i]) in listy else c for i, c in enumerate(parts)
+        )
+    return out
+
+
+def export_dcp(
+    ckpt_url: str,
+    out: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    slab_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DcpExport:
+    """Write the checkpoint at ``ckpt_url`` (``ROOT`` or ``ROOT/step-N``) as a DCP directory."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    ckpt = open_checkpoint(ckpt_url, storage_options)
+    slab = slab_bytes or SLAB_BYTES
+    names = ckpt.tensor_names()
+    values = group_lists(ckpt.manifest.values)
+    paths = _paths_with_lists(names + sorted(values))
+    key: dict[str, str] = {}  # ckptd name -> DCP key
+    for name in names + sorted(values):
+        key[name] = ".".join(map(str, paths[name]))
+    if len(set(key.values())) < len(key):
+        clash = sorted(n for n in key if list(key.values()).count(key[n]) > 1)
+        raise CkptdError(f"{ckpt.url}: {clash} would share a DCP key ('/' becomes '.')")
+    plan: list[tuple[str, Box]] = []
+    meta: dict[str, Any] = {}
+    for name in names:
+        entry = ckpt.manifest.tensors[name]
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        boxes = [
+            b
+            for whole in disjoint_boxes([c.box for c in entry.chunks])
+            for b in split_rows(whole, itemsize, slab)
+        ]
+        meta[key[name]] = TensorStorageMetadata(
+            TensorProperties(dtype=entry.dtype),
+            torch.Size(entry.shape),
+            [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in boxes],
+        )
+        plan += [(name, b) for b in boxes]
+    for name in values:
+        meta[key[name]] = BytesStorageMetadata()
+    storage_data: dict[Any, Any] = {}
+    written = [0]
+
+    def record(index: Any, item: _Parts) -> list[bytes]:
+        storage_data[index] = _StorageInfo(DATA_FILE, written[0], item.nbytes)
+        written[0] += item.nbytes
+        if progress is not None:
+            progress(item.nbytes)
+        return item.parts
+
+    def items(reader: BoxReader) -> Iterator[bytes]:
+        for batch in _batches(ckpt, plan, slab):
+            dsts = [torch.empty(b.sizes, dtype=ckpt.manifest.tensors[n].dtype) for n, b in batch]
+            reader.read([(n, b, d) for (n, b), d in zip(batch, dsts, strict=True)])
+            for i, (name, box) in enumerate(batch):
+                item = _saved(dsts[i])
+                dsts[i] = _RELEASED  # saved: its bytes are in the item now
+                yield from record(MetadataIndex(key[name], torch.Size(box.offsets)), item)
+                del item
+            del dsts
+        for name, value in sorted(values.items()):
+            yield from record(MetadataIndex(key[name]), _saved(value))
+
+    storage = open_storage(out, storage_options)
+    with BoxReader(ckpt) as reader:
+        storage.write_file(DATA_FILE, items(reader))
+    metadata = Metadata(
+        state_dict_metadata=meta,
+        planner_data={key[n]: p for n, p in paths.items()},
+        storage_data=storage_data,
+        storage_meta=StorageMeta(),
+        version=DCP_VERSION,
+    )
+    storage.put_atomic(".metadata", pickle.dumps(metadata))
+    skipped = sum(1 for n in ckpt.manifest.tensors if n.startswith(f"{LOCAL_PREFIX}/"))
+    skipped += sum(len(v) for v in ckpt.manifest.locals.values())
+    return DcpExport(
+        storage.url, ckpt.step, len(names), len(plan) + len(values), written[0], skipped
+    )
+
+
+def _batches(
+    ckpt: Checkpoint,
+    plan: list[tuple[str, Box]],
+    budget: int,
+) -> Iterator[list[tuple[str, Box]]]:
+    batch: list[tuple[str, Box]] = []
+    size = 0
+    for name, box in plan:
+        n = box.numel * torch.empty((), dtype=ckpt.manifest.tensors[name].dtype).element_size()
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, box))
+        size += n
+    if batch:
+        yield batch
+
+
+class _Parts:
+    """What ``torch.save`` writes, kept as the parts it wrote: a growing BytesIO would copy the
+    storage again on every doubling (and leave the allocator holding the old blocks)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        part = bytes(data)  # the writer may reuse its buffer after the call
+        self.parts.append(part)
+        self.nbytes += len(part)
+        return len(part)
+
+    def flush(self) -> None:
+        pass
+
+
+def _saved(obj: Any) -> _Parts:
+    """One item as ``FileSystemWriter`` writes it: ``torch.save`` of the tensor or object."""
+    out = _Parts()
+    torch.save(obj, out)  # type: ignore[arg-type]  # a write()-only file is all it needs
+    return out
