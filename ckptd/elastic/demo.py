@@ -1,0 +1,373 @@
+"""``ckptd demo``: real torchrun agents on 127.0.0.1 training through preemption and scale-up.
+
+Each simulated node is one ``torchrun --nnodes=1:4 --nproc-per-node=1`` agent running
+``integrations/torchrun/train.py``; the c10d rendezvous store is a separate process (it must
+outlive any node, like a head-node service). The timeline: 3 nodes train; one is preempted
+(SIGTERM to its agent, which forwards it to its worker; SIGKILL after the grace period, as a
+batch system does); 2 nodes continue; a 4th node joins (3), then a 5th (4); the run finishes.
+
+Two settings make this work on torch 2.13 (see docs/elastic.md for the evidence):
+
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in every agent's environment. With the default
+  (shared TCP store), ``DynamicRendezvousHandler.next_rendezvous`` computes the bootstrap
+  ``MASTER_ADDR``/``MASTER_PORT`` once and caches it; in a later round, a node that joins has no
+  cache and waits for ``MASTER_ADDR`` under the new round's key prefix, which the cached rank 0
+  never writes, while rank 0 waits for the newcomer's ``role_info`` -- both time out.
+- keep-alive ``1 s x 3`` (not ``x 2``): heartbeats are sent at most every interval and may be
+  almost two intervals old when read, so ``x 2`` lets a joining node declare live nodes dead
+  and start a rendezvous of its own.
+
+This module only starts and watches processes; training, saving and re-planning happen in the
+workers (``ckptd.elastic.resume``). It never imports ``integrations/``: it runs the script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptd.elastic.history import Phase, TrainingMeta, scale_up_wait_s, summarize
+from ckptd.errors import CkptdError
+
+_STORE_MAIN = """
+import socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", 0))
+sock.listen(64)
+port = sock.getsockname()[1]
+store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      multi_tenant=True, master_listen_fd=sock.detach(),
+                      timeout=timedelta(seconds=600))
+print(port, flush=True)
+sys.stdin.read()  # until the parent closes the pipe (or dies)
+"""
+
+AGENT_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "OMP_NUM_THREADS": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONUNBUFFERED": "1",
+    "LOGLEVEL": "INFO",
+}
+RDZV_CONF = ("is_host=0,join_timeout=120,last_call_timeout=1,close_timeout=10,"
+             "keep_alive_interval=1,keep_alive_max_attempt=3")
+
+
+class DemoError(CkptdError, RuntimeError):
+    """The demo's cluster did not reach a state in time, or a process failed."""
+
+
+def default_script() -> Path:
+    """``integrations/torchrun/train.py`` of the source checkout this package runs from."""
+    return Path(__file__).resolve().parents[2] / "integrations" / "torchrun" / "train.py"
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process (Linux /proc)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(roots: set[int]) -> set[tuple[int, str]]:
+    table, found, frontier = _proc_table(), set(), set(roots)
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier}
+        found |= {(pid, table[pid][1]) for pid in frontier}
+    return found
+
+
+@dataclasses.dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float
+
+
+class Cluster:
+    """torchrun agents on 127.0.0.1 around one rendezvous store; owns every process it starts
+    and kills what is left of them (agents, their workers) on :meth:`close`.
+
+    ``train_args`` go to the training script; the events file is ``workdir/events.jsonl``.
+    """
+
+    def __init__(self, workdir: Path, train_args: list[str], *, script: Path | None = None,
+                 max_nodes: int = 4, nproc_per_node: int = 1, grace_s: float = 30.0,
+                 python: str = sys.executable, monitor_interval: float = 0.5) -> None:
+        self.workdir = workdir
+        self.events_path = workdir / "events.jsonl"
+        self.script = script or default_script()
+        if not self.script.exists():
+            raise DemoError(f"{self.script}: training script not found (the demo runs from a "
+                            "source checkout; pass script=/--script)")
+        self.train_args, self.max_nodes, self.grace_s = train_args, max_nodes, grace_s
+        self.nproc_per_node = nproc_per_node
+        self.python, self.monitor_interval = python, monitor_interval
+        self.rdzv_id = f"ckptd-{uuid.uuid4().hex[:8]}"
+        self.nodes: list[Node] = []
+        self._seen: set[tuple[int, str]] = set()  # every descendant ever seen (pid, start)
+        self._timers: list[threading.Timer] = []
+        self._events: list[dict[str, Any]] = []
+        self._offset = 0
+        self.store: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    # --------------------------------------------------------------- processes
+    def start_store(self) -> int:
+        # the store lives until its stdin closes: if the demo itself is killed, the store goes,
+        # the agents' rendezvous calls fail, and they stop their workers and exit
+        self.store = subprocess.Popen([self.python, "-c", _STORE_MAIN], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        assert self.store.stdout is not None
+        line = self.store.stdout.readline()  # the child prints its port once it listens
+        if not line.strip().isdigit():
+            raise DemoError(f"rendezvous store did not start (exit code {self.store.poll()})")
+        self.port = int(line)
+        return self.port
+
+    def add_node(self, name: str | None = None) -> Node:
+        if self.store is None:
+            self.start_store()
+        name = name or "abcdefghijklmnop"[len(self.nodes)]
+        log = self.workdir / f"node-{name}.log"
+        cmd = [self.python, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
+               f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
+               f"--rdzv-conf={RDZV_CONF}", "--local-addr=127.0.0.1", "--max-restarts=100",
+               f"--monitor-interval={self.monitor_interval}", str(self.script),
+               *self.train_args, "--events", str(self.events_path)]
+        env = {**os.environ, **AGENT_ENV,
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.grace_s))}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        node = Node(name, proc, log, time.time())
+        self.nodes.append(node)
+        return node
+
+    def preempt(self, node: Node) -> float:
+        """What a batch system does to a node: SIGTERM now, SIGKILL to whatever of it is still
+        alive ``grace_s`` later. Returns the wall time of the SIGTERM."""
+        doomed = _descendants({node.proc.pid}) | {(node.proc.pid, "")}
+        self._seen |= doomed
+        t = time.time()
+        node.proc.send_signal(signal.SIGTERM)
+        timer = threading.Timer(self.grace_s, self._kill, args=(doomed,))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+        return t
+
+    def _kill(self, procs: set[tuple[int, str]]) -> None:
+        table = _proc_table()
+        for pid, start in procs:
+            if pid in table and (not start or table[pid][1] == start):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def alive(self) -> list[Node]:
+        return [n for n in self.nodes if n.proc.poll() is None]
+
+    def close(self) -> None:
+        """Stop everything this cluster started: agents (SIGTERM, then SIGKILL), every worker
+        they ever had, the store."""
+        for timer in self._timers:
+            timer.cancel()
+        live = self.alive()
+        self._seen |= _descendants({n.proc.pid for n in live})
+        for n in live:
+            with contextlib.suppress(ProcessLookupError):
+                n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for n in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill(self._seen | {(n.proc.pid, "") for n in self.alive()})
+        for n in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                n.proc.wait(timeout=5)
+        if self.store is not None:
+            assert self.store.stdin is not None
+            with contextlib.suppress(OSError):
+                self.store.stdin.close()
+            self.store.kill()
+            self.store.wait()
+            self.store = None
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- observing
+    def events(self) -> list[dict[str, Any]]:
+        """Every event the workers appended so far (read incrementally)."""
+        try:
+            with open(self.events_path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self._events
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self._offset += end
+        self._events += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        return self._events
+
+    def wait_for(self, what: str, predicate: Callable[[dict[str, Any]], bool],
+                 timeout: float = 120.0, *, after: float = 0.0) -> dict[str, Any]:
+        """The first event (with ``t >= after``) satisfying ``predicate``; raises DemoError
+        naming ``what`` after ``timeout`` s or when every agent has exited."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._seen |= _descendants({n.proc.pid for n in self.alive()})
+            for ev in self.events():
+                if ev["t"] >= after and predicate(ev):
+                    return ev
+            if not self.alive() or time.monotonic() > deadline:
+                state = {n.name: n.proc.poll() for n in self.nodes}
+                raise DemoError(f"timed out waiting for {what} (agents: {state}); logs in "
+                                f"{self.workdir}:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def wait_exit(self, timeout: float = 120.0) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return {n.name: n.proc.poll() for n in self.nodes}
+
+    def tail(self, lines: int = 15) -> str:
+        out = []
+        for n in self.nodes:
+            text = n.log.read_text(errors="replace").splitlines() if n.log.exists() else []
+            out.append(f"--- node {n.name} ---\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)
+
+
+def step_reached(world: int, step: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["ev"] == "step" and e["world"] == world and e["step"] >= step
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM to the demo raises SystemExit like Ctrl-C raises KeyboardInterrupt, so the
+    cluster's cleanup runs in both cases (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------- the demo
+# The demo's planner budget: the memory model's estimate for this 19.5k-parameter model is a
+# few hundred KiB, so the budget is scaled down with it. 240 KiB makes world 2 need ZeRO-2 while
+# worlds 3 and 4 fit ZeRO-1 (see ``ckptd plan`` on the demo's checkpoint).
+DEMO_MEM_LIMIT_GIB = 240 / 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    workdir: Path
+    ckpt: str
+    phases: list[Phase]
+    exit_codes: dict[str, int | None]
+    elapsed_s: float
+
+
+def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
+             cooldown_s: float = 8.0, grace_s: float = 30.0, script: Path | None = None,
+             timeout_s: float = 180.0,
+             read_training: Callable[[str], dict[str, Any] | None] | None = None,
+             out: Callable[[str], None] = print) -> DemoResult:
+    """3 nodes → SIGTERM one (2) → a node joins (3) → another (4) → stop; each change once
+    the current world has trained ``phase_steps`` steps.
+
+    ``read_training(root)`` returns the latest checkpoint's training metadata (for the
+    scale-up cooldown); without it, nodes join at once.
+    """
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    if any(workdir.iterdir()):
+        raise DemoError(f"{workdir} is not empty: the demo starts a new run in an empty directory")
+    ckpt, stop = str(workdir / "ckpt"), workdir / "STOP"
+    args = ["--ckpt", ckpt, "--steps", "1000000", "--stop-file", str(stop),
+            "--save-every", str(save_every), "--ref-world", "3", "--micro-batch", "1",
+            "--accum", "4", "--zero-stage", "1", "--mem-limit-gib", repr(DEMO_MEM_LIMIT_GIB),
+            "--cooldown-s", str(cooldown_s), "--grace-s", str(grace_s)]
+    t_start = time.time()
+
+    def say(text: str) -> None:
+        out(f"[{time.time() - t_start:6.1f}s] {text}")
+
+    def trained(cluster: Cluster, world: int, after: float) -> None:
+        first = cluster.wait_for(f"training on {world} nodes", step_reached(world, 0),
+                                 timeout_s, after=after)
+        say(f"training on {world} nodes from step {first['step']}")
+        cluster.wait_for(f"{phase_steps} steps on {world} nodes",
+                         step_reached(world, first["step"] + phase_steps), timeout_s)
+
+    def join(cluster: Cluster) -> float:
+        record = read_training(ckpt) if read_training else None
+        wait = scale_up_wait_s(TrainingMeta.from_json(record), time.time()) if record else 0.0
+        if wait > 0:
+            say(f"scale-up cooldown: the last restart was less than {cooldown_s:g} s ago; "
+                f"the new node waits {wait:.1f} s")
+            time.sleep(wait)  # the cooldown itself, not a synchronisation
+        t = time.time()
+        say(f"node {cluster.add_node().name} starts and joins the rendezvous")
+        return t
+
+    with _interruptible(), Cluster(workdir, args, script=script, grace_s=grace_s) as cluster:
+        cluster.start_store()
+        for _ in range(3):
+            cluster.add_node()
+        say(f"3 nodes started (rendezvous store on 127.0.0.1:{cluster.port}, files in "
+            f"{workdir})")
+        trained(cluster, 3, 0.0)
+        victim = cluster.nodes[1]
+        t_term = cluster.preempt(victim)
+        say(f"SIGTERM to node {victim.name} (SIGKILL in {grace_s:g} s)")
+        trained(cluster, 2, t_term)
+        trained(cluster, 3, join(cluster))
+        trained(cluster, 4, join(cluster))
+        stop.touch()
+        say("stop requested")
+        cluster.wait_for("the end of training", lambda e: e["ev"] == "done", timeout_s)
+        codes = cluster.wait_exit(timeout_s)
+        events = cluster.events()
+    bad = {name: c for name, c in codes.items() if c != 0 and name != victim.name}
+    if bad:
+        raise DemoError(f"agents exited with {bad}; logs in {workdir}")
+    return DemoResult(workdir, ckpt, summarize(events), codes, time.time() - t_start)

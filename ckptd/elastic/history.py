@@ -1,0 +1,344 @@
+"""The elastic training metadata that every checkpoint of an elastic run carries, and its plot.
+
+An :class:`~ckptd.elastic.ElasticRun` passes :meth:`TrainingMeta.to_json` as ``training=`` to
+every save; ``load(...).training`` (and ``ckptd inspect``) give it back. It is plain JSON with a
+version, documented in ``docs/elastic.md``::
+
+    {"version": 1,
+     "spec":      TrainingSpec.to_json() of the incarnation that saved,
+     "reference": TrainingSpec.to_json() the run was configured with (re-plans aim at its batch),
+     "model":     {"hidden_size", "num_hidden_layers", "num_parameters", "dtype_bytes"} | null,
+     "policy":    {"tolerance", "mem_limit_gib", "max_micro_batch_size", "zero_stages",
+                   "scale_up_cooldown_s", "assumed_write_bytes_per_s"},
+     "consumed_samples": samples of every completed optimizer step up to the saved step,
+     "history":   [{"step", "time", "reason", "world_size", "micro_batch_size",
+                    "gradient_accumulation_steps", "zero_stage", "global_batch_size",
+                    "deviation", "consumed_samples", "load_s", "downtime_s"}, ...],
+     "losses":    [[step, loss], ...]   (one point every "loss_stride" steps, <= 2048 points),
+     "loss_stride": 1,
+     "preempted_at": unix time of the SIGTERM that ended the saving incarnation, or null}
+
+A history entry is appended each time the run (re)starts: ``reason`` is ``"start"``,
+``"scale-down"``, ``"scale-up"`` or ``"restart"`` (same world size). Only this module knows the
+layout; nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec
+from ckptd.errors import CkptdError
+
+log = logging.getLogger("ckptd.elastic")
+
+TRAINING_META_VERSION = 1
+# The loss series keeps at most this many points: when full, every other point is dropped and
+# the recording stride doubles, so a long run keeps an evenly spaced curve in a bounded manifest.
+MAX_LOSS_POINTS = 2048
+REASONS = ("start", "scale-down", "scale-up", "restart")
+
+
+class NotElastic(CkptdError, ValueError):
+    """A checkpoint's training metadata is missing or is not an elastic run's record."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticPolicy:
+    """How an elastic run re-plans, and when it may restart.
+
+    ``tolerance``, ``mem_limit_gib``, ``max_micro_batch_size`` and ``zero_stages`` go to
+    :func:`~ckptd.elastic.replan`. ``scale_up_cooldown_s`` is the minimum time between a
+    restart and a scale-up that a joining node may cause (see :func:`scale_up_wait_s`).
+    ``assumed_write_bytes_per_s`` projects the preemption save's duration before any save of
+    this incarnation measured the real bandwidth.
+    """
+
+    tolerance: float = 0.10  # the Fast-LLM analysis: ±10 % suffices with a few accum. steps
+    mem_limit_gib: float = 80.0  # an 80 GB accelerator; set it below the real capacity
+    max_micro_batch_size: int = 8
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    scale_up_cooldown_s: float = 300.0  # scale-ups cost at most D / (300 s + D) of the time
+    assumed_write_bytes_per_s: float = 500e6  # a modest shared filesystem, per rank
+
+    def replan_kwargs(self) -> dict[str, Any]:
+        return {"tolerance": self.tolerance, "mem_limit_gib": self.mem_limit_gib,
+                "max_micro_batch_size": self.max_micro_batch_size,
+                "zero_stages": self.zero_stages}
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        record["zero_stages"] = list(self.zero_stages)
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> ElasticPolicy:
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in record.items() if k in names}
+        if "zero_stages" in data:
+            data["zero_stages"] = tuple(data["zero_stages"])
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryEntry:
+    """One incarnation of the run: the settings it trained with from ``step`` on, and why."""
+
+    step: int
+    time: float  # unix time the incarnation was planned
+    reason: str  # one of REASONS
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    zero_stage: int
+    global_batch_size: int
+    deviation: float  # global batch relative to the reference's
+    consumed_samples: int
+    load_s: float | None = None  # time the load took (None on a fresh start)
+    downtime_s: float | None = None  # previous incarnation's SIGTERM -> first step here
+
+    @classmethod
+    def of(cls, spec: TrainingSpec, *, step: int, time: float, reason: str,
+           reference: TrainingSpec, consumed_samples: int) -> HistoryEntry:
+        if reason not in REASONS:
+            raise InvalidSpec(f"history reason must be one of {REASONS}, got {reason!r}")
+        ref = reference.global_batch_size
+        return cls(step=step, time=time, reason=reason, world_size=spec.world_size,
+                   micro_batch_size=spec.micro_batch_size,
+                   gradient_accumulation_steps=spec.gradient_accumulation_steps,
+                   zero_stage=spec.zero_stage, global_batch_size=spec.global_batch_size,
+                   deviation=(spec.global_batch_size - ref) / ref,
+                   consumed_samples=consumed_samples)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> HistoryEntry:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: record[n] for n in names if n in record})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMeta:
+    """The ``training`` dict of an elastic run's checkpoint (see the module docstring)."""
+
+    spec: TrainingSpec
+    reference: TrainingSpec
+    model: ModelSpec | None
+    policy: ElasticPolicy
+    consumed_samples: int
+    history: tuple[HistoryEntry, ...]
+    losses: tuple[tuple[int, float], ...] = ()
+    loss_stride: int = 1
+    preempted_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": TRAINING_META_VERSION,
+            "spec": self.spec.to_json(),
+            "reference": self.reference.to_json(),
+            "model": None if self.model is None else dataclasses.asdict(self.model),
+            "policy": self.policy.to_json(),
+            "consumed_samples": self.consumed_samples,
+            "history": [e.to_json() for e in self.history],
+            "losses": [[s, v] for s, v in self.losses],
+            "loss_stride": self.loss_stride,
+            "preempted_at": self.preempted_at,
+        }
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any] | str, where: str = "training") -> TrainingMeta:
+        """Decode :meth:`to_json`'s dict (or its text); ``where`` names the source in errors."""
+        data: Any = json.loads(record) if isinstance(record, str) else record
+        if not isinstance(data, Mapping) or "spec" not in data:
+            raise NotElastic(f"{where}: no elastic training metadata (was it saved by an "
+                             "ElasticRun?)")
+        if data.get("version") != TRAINING_META_VERSION:
+            raise NotElastic(f"{where}: elastic metadata version {data.get('version')!r} is not "
+                             f"supported (expected {TRAINING_META_VERSION})")
+        try:
+            spec = TrainingSpec.from_json(data["spec"])
+            model = data.get("model")
+            return cls(
+                spec=spec,
+                reference=TrainingSpec.from_json(data.get("reference") or data["spec"]),
+                model=None if model is None else ModelSpec(**model),
+                policy=ElasticPolicy.from_json(data.get("policy") or {}),
+                consumed_samples=int(data["consumed_samples"]),
+                history=tuple(HistoryEntry.from_json(e) for e in data.get("history", [])),
+                losses=tuple((int(s), float(v)) for s, v in data.get("losses", [])),
+                loss_stride=int(data.get("loss_stride", 1)),
+                preempted_at=data.get("preempted_at"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise NotElastic(f"{where}: malformed elastic metadata: {e}") from e
+
+
+def add_loss(losses: Sequence[tuple[int, float]], stride: int, step: int,
+             loss: float) -> tuple[tuple[tuple[int, float], ...], int]:
+    """``losses`` with ``(step, loss)`` recorded if ``step`` is on the stride; thinned (stride
+    doubled) when it would exceed :data:`MAX_LOSS_POINTS`. Returns the points and the stride."""
+    points = tuple(losses)
+    if step % stride == 0 and math.isfinite(loss):
+        points += ((step, float(loss)),)
+    while len(points) > MAX_LOSS_POINTS:
+        stride *= 2
+        points = tuple(p for p in points if p[0] % stride == 0)
+    return points, stride
+
+
+def scale_up_wait_s(meta: TrainingMeta, now: float, cooldown_s: float | None = None) -> float:
+    """Seconds a node that wants to join the run must still wait (the scale-up cooldown).
+
+    A joining node makes the running workers stop and restart, so it waits until
+    ``scale_up_cooldown_s`` (or ``cooldown_s``) have passed since the run's newest (re)start,
+    the time of its last history entry. When the newest checkpoint is a preemption save
+    (``preempted_at`` is set), the run is stopped or already restarting: joining now costs no
+    extra restart, so the wait is 0.
+    """
+    cooldown = meta.policy.scale_up_cooldown_s if cooldown_s is None else cooldown_s
+    if not meta.history or meta.preempted_at is not None:
+        return 0.0
+    return max(0.0, meta.history[-1].time + cooldown - now)
+
+
+EXIT_RESTART = 75  # EX_TEMPFAIL: "a peer was preempted; re-spawn me"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldInfo:
+    """What torchrun tells a worker about this incarnation (environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    nodes: int  # GROUP_WORLD_SIZE: agents (nodes) in this rendezvous round
+    restart_count: int  # TORCHELASTIC_RESTART_COUNT
+    run_id: str  # TORCHELASTIC_RUN_ID
+
+
+def torchrun_world(env: dict[str, str] | None = None) -> WorldInfo:
+    """The worker's place in the world from torchrun's environment (defaults: one process)."""
+    e = os.environ if env is None else env
+    return WorldInfo(int(e.get("RANK", 0)), int(e.get("WORLD_SIZE", 1)),
+                     int(e.get("LOCAL_RANK", 0)), int(e.get("GROUP_WORLD_SIZE", 1)),
+                     int(e.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                     e.get("TORCHELASTIC_RUN_ID", ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionOutcome:
+    """What :meth:`ElasticRun.save_on_preemption` did; ``exit_code`` is what to exit with."""
+
+    step: int
+    saved: bool  # the state at ``step`` is committed (now or by an earlier save)
+    reason: str
+    exit_code: int
+    signalled: bool  # this rank received the SIGTERM itself
+    drain_s: float  # waiting for in-flight saves
+    save_s: float  # the preemption save (0 when none was needed or it was skipped)
+    projected_s: float | None  # the agreed projection of the save's duration
+    grace_left_s: float | None  # grace left when the decision was taken
+    signal_to_committed_s: float | None  # SIGTERM -> committed (None if nothing committed)
+    nbytes: int  # bytes this rank wrote in the preemption save
+
+
+# ----------------------------------------------------------------------------- events
+class EventLog:
+    """The live event stream of an elastic run: JSON lines (``{"ev", "rank", "t", ...}``) to
+    the ``ckptd.elastic`` logger and, if given, appended to a local file (one ``write`` of an
+    O_APPEND descriptor per line, so the ranks of a node may share it). Events: ``resume``,
+    ``loaded``, ``training`` (first step of an incarnation), ``step`` (rank 0), ``save``,
+    ``sigterm``, ``preempting``, ``preempt``, ``done``; :func:`summarize` reads them back."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.path, self.rank = path, rank
+
+    def emit(self, ev: str, *, quiet: bool = False, **fields: Any) -> None:
+        """``quiet``: the file only (inside a signal handler, stay away from logging's locks)."""
+        line = json.dumps({"ev": ev, "rank": self.rank, "t": time.time(), **fields})
+        if not quiet:
+            log.info("ckptd elastic %s", line)
+        if self.path:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One incarnation of the run, summarised from the workers' events."""
+
+    world: int
+    reason: str
+    first_step: int
+    last_step: int
+    training: dict[str, Any]
+    saves: int  # async saves (steps); their stalls are every rank's
+    stall_median_s: float | None
+    stall_max_s: float | None
+    load_s: float | None
+    ended_by: str  # "sigterm" or "done"
+    sigterm_to_committed_s: float | None  # the preemption save that ended it
+    downtime_s: float | None  # first SIGTERM of its end -> the next incarnation trains
+
+
+def summarize(events: list[dict[str, Any]]) -> list[Phase]:
+    """Phases from the events of every incarnation (``resume`` events of rank 0 delimit them)."""
+    starts = [e for e in events if e["ev"] == "resume" and e["rank"] == 0]
+    phases = []
+    for i, start in enumerate(starts):
+        # an incarnation owns the events from 1 s before its rank 0 planned (other ranks may
+        # log a moment earlier) to 1 s before the next one did (a restart takes seconds)
+        t0 = start["t"] - 1.0
+        t1 = starts[i + 1]["t"] - 1.0 if i + 1 < len(starts) else float("inf")
+        mine = [e for e in events if t0 <= e["t"] < t1]
+        steps = [e["step"] for e in mine if e["ev"] == "step"]
+        saves = [e for e in mine if e["ev"] == "save"]
+        stalls = sorted(e["stall_s"] for e in saves)  # every rank's
+        loads = [e["load_s"] for e in mine if e["ev"] == "loaded"]
+        sigterms = [e["t"] for e in mine if e["ev"] == "sigterm"]
+        committed = [e["signal_to_committed_s"] for e in mine if e["ev"] == "preempt"
+                     and e["signal_to_committed_s"] is not None and e["signalled"]]
+        nxt = [e["t"] for e in events if e["ev"] == "training" and e["t"] >= t1]
+        phases.append(Phase(
+            world=start["world"], reason=start["reason"], first_step=start["step"],
+            last_step=max(steps, default=start["step"]), training=start["training"],
+            saves=len({e["step"] for e in saves}),
+            stall_median_s=stalls[len(stalls) // 2] if stalls else None,
+            stall_max_s=stalls[-1] if stalls else None, load_s=max(loads, default=None),
+            ended_by="sigterm" if sigterms else "done",
+            sigterm_to_committed_s=max(committed, default=None),
+            downtime_s=min(nxt) - min(sigterms) if sigterms and nxt else None))
+    return phases
+
+
+def render_phases(phases: list[Phase]) -> str:
+    def ms(x: float | None) -> str:
+        return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+    def s(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f} s"
+
+    head = ("| phase | world | steps | micro × accum | ZeRO | global batch | async saves | "
+            "stall median / max | load | ended by | SIGTERM → committed | downtime |")
+    lines = [head, "|" + "---:|" * 5 + "---:|---:|---|---:|---|---:|---:|"]
+    for i, p in enumerate(phases, 1):
+        t = p.training
+        lines.append(
+            f"| {i} ({p.reason}) | {p.world} | {p.first_step}–{p.last_step} | "
+            f"{t['micro_batch_size']} × {t['gradient_accumulation_steps']} | {t['zero_stage']} | "
+            f"{p.world * t['micro_batch_size'] * t['gradient_accumulation_steps']} | {p.saves} | "
+            f"{ms(p.stall_median_s)} / {ms(p.stall_max_s)} | {s(p.load_s)} | {p.ended_by} | "
+            f"{s(p.sigterm_to_committed_s)} | {s(p.downtime_s)} |")
+    return "\n".join(lines)

@@ -1,0 +1,421 @@
+"""The restart flow of an elastic run under ``torchrun --nnodes=MIN:MAX``.
+
+Every incarnation of the workers (first start, and each re-spawn after a preemption or a
+membership change) calls :func:`resume`: it reads the new world, finds the latest committed
+checkpoint, re-plans the batch settings from its :class:`~ckptd.elastic.history.TrainingMeta`
+(aiming at the *reference* global batch, so deviations never accumulate over restarts) and
+appends a history entry. The caller builds its state for ``run.training`` and loads it with
+``run.load`` (resharding). The data position is the number of consumed samples: a step trains
+on samples ``[consumed, consumed + global_batch)``, split by :meth:`ElasticRun.sample_indices`,
+so no sample is repeated or skipped whatever the world size. ``integrations/torchrun/train.py``
+is the complete loop; ``docs/elastic.md`` the guide.
+
+A preemption saves the state as of the last completed optimizer step (a partial gradient
+accumulation is recomputed after the restart). Exit codes: a worker that received SIGTERM
+exits 0 (its node is going away); the others exit :data:`EXIT_RESTART` (75), because torchrun
+ends the whole job as *succeeded* when every worker exits 0, while a failure makes the
+surviving agents re-rendezvous and re-spawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ckptd.checkpointer import Checkpointer, LoadResult
+from ckptd.elastic import preemption
+from ckptd.elastic.history import (
+    EXIT_RESTART,
+    ElasticPolicy,
+    EventLog,
+    HistoryEntry,
+    PreemptionOutcome,
+    TrainingMeta,
+    add_loss,
+    torchrun_world,
+)
+from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec, replan
+from ckptd.sharding import describe
+from ckptd.writer import codecs
+from ckptd.writer.handle import Phase, SaveHandle, SaveResult
+
+log = logging.getLogger("ckptd.elastic")
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _from_rank0(value: Any) -> Any:
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree(committed: bool, projected_s: float) -> tuple[bool, float]:
+    """(every rank has the step committed, the slowest rank's projection)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return committed, projected_s
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (committed, projected_s))
+    return all(c for c, _ in out), max(p for _, p in out)
+
+
+class ElasticRun:
+    """One incarnation of an elastic run: its batch settings, data position and history.
+
+    Made by :func:`resume`. ``training`` is the plan for this world; ``step`` and
+    ``consumed_samples`` advance with :meth:`step_done`; every save carries
+    :meth:`metadata` as its ``training=`` dict.
+    """
+
+    def __init__(self, ckpt: Checkpointer, meta: TrainingMeta, *, step: int, resumed: bool,
+                 dp_rank: int, events: EventLog,
+                 on_sigterm: Callable[[], object] | None = None) -> None:
+        self.ckpt = ckpt
+        self.meta = meta
+        self.step = step
+        self.resumed_step = step if resumed else None
+        self.dp_rank = dp_rank
+        self._watch = preemption.PreemptionWatch()
+        self._events = events
+        self._on_sigterm_user = on_sigterm
+        self._saves: list[tuple[int, SaveHandle]] = []
+        self._committed_step: int | None = step if resumed else None
+        self._issued_step: int | None = self._committed_step  # newest save asked for
+        self._newest: SaveHandle | None = None
+        self._bandwidth: float | None = None  # bytes/s of this rank's last committed save
+        self._first_step_pending = True
+
+    # ------------------------------------------------------------------ what to train
+    @property
+    def training(self) -> TrainingSpec:
+        return self.meta.spec
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.meta.consumed_samples
+
+    @property
+    def entry(self) -> HistoryEntry:
+        """This incarnation's history entry."""
+        return self.meta.history[-1]
+
+    def sample_indices(self, micro_step: int, dp_rank: int | None = None) -> range:
+        """The samples data-parallel rank ``dp_rank`` (default: ours) trains on in micro-step
+        ``micro_step`` of the current optimizer step. Over every rank and micro-step they are
+        exactly ``[consumed_samples, consumed_samples + global_batch_size)``."""
+        t = self.training
+        r = self.dp_rank if dp_rank is None else dp_rank
+        if not (0 <= micro_step < t.gradient_accumulation_steps and 0 <= r < t.world_size):
+            raise InvalidSpec(f"micro-step {micro_step} / data-parallel rank {r} outside "
+                              f"{t.gradient_accumulation_steps} x {t.world_size}")
+        start = self.consumed_samples + (micro_step * t.world_size + r) * t.micro_batch_size
+        return range(start, start + t.micro_batch_size)
+
+    # ------------------------------------------------------------------ progress
+    def load(self, state: Any, *, strict: bool = True) -> LoadResult | None:
+        """Fill ``state`` (built for :attr:`training`) from the checkpoint this run resumes;
+        ``None`` on a fresh start. Records the load time in the history entry."""
+        if self.resumed_step is None:
+            return None
+        t0 = time.perf_counter()
+        result = self.ckpt.load(state, step=self.resumed_step, strict=strict)
+        load_s = time.perf_counter() - t0
+        self._set_entry(load_s=load_s)
+        self._events.emit("loaded", step=result.step, load_s=load_s,
+                          nbytes_read=result.nbytes_read)
+        return result
+
+    def step_done(self, loss: float | None = None) -> None:
+        """One optimizer step finished: advance the step and the consumed samples, record the
+        loss (the same value on every rank, e.g. all-reduced)."""
+        m = self.meta
+        self.step += 1
+        losses, stride = m.losses, m.loss_stride
+        if loss is not None:
+            losses, stride = add_loss(losses, stride, self.step, loss)
+        self.meta = dataclasses.replace(
+            m, consumed_samples=m.consumed_samples + m.spec.global_batch_size, losses=losses,
+            loss_stride=stride)
+        if self._first_step_pending:
+            self._first_step_pending = False
+            if m.preempted_at is not None:
+                self._set_entry(downtime_s=time.time() - m.preempted_at)
+            self._events.emit("training", step=self.step, world=m.spec.world_size,
+                              downtime_s=self.entry.downtime_s)
+        if self.ckpt.rank == 0:
+            self._events.emit("step", step=self.step, loss=loss, world=m.spec.world_size,
+                              global_batch=m.spec.global_batch_size,
+                              consumed=self.meta.consumed_samples)
+
+    def metadata(self, *, preempted_at: float | None = None) -> dict[str, Any]:
+        """The ``training=`` dict for a save of the current step."""
+        return dataclasses.replace(self.meta, preempted_at=preempted_at).to_json()
+
+    # ------------------------------------------------------------------ saving
+    def save_async(self, state: Any, *, overlap: bool = False) -> SaveHandle:
+        """``save_async`` of the current step with this run's metadata."""
+        self._observe()
+        handle = self.ckpt.save_async(state, step=self.step, overlap=overlap,
+                                      training=self.metadata())
+        self._saves.append((self.step, handle))
+        self._issued_step, self._newest = self.step, handle
+        self._events.emit("save", step=self.step, stall_s=handle.stall_s, overlap=overlap)
+        return handle
+
+    def save(self, state: Any) -> SaveResult:
+        """Save the current step and wait until it is committed."""
+        result = self.save_async(state).result()
+        self._observe()
+        return result
+
+    def finish(self, state: Any) -> int:
+        """Save the final step unless already saved, wait for every save; returns 0."""
+        if self._issued_step != self.step:
+            self.save(state)
+        self.ckpt.wait()
+        self._observe()
+        self._events.emit("done", step=self.step, consumed=self.consumed_samples)
+        return 0
+
+    def close(self) -> None:
+        """Stop watching for SIGTERM (restore the previous handler); main thread."""
+        preemption.uninstall()
+
+    def save_on_preemption(self, state: Any) -> PreemptionOutcome:
+        """The preemption path: call it on every rank once :func:`ckptd.preempted` is True.
+
+        Waits (at most the grace left) for this run's in-flight saves; unless the current step
+        is then committed, projects the save's duration (this rank's bytes over its last
+        measured write bandwidth) and, if the slowest rank's projection fits in the grace left,
+        saves with every thread and no compression. Otherwise the previous checkpoint stays
+        ``latest`` and the reason is logged. The ranks agree on the decision (one all-gather).
+        Never raises for a failed save: the outcome says what happened.
+        """
+        t0 = time.monotonic()
+        signalled = self._watch.signal_time is not None
+        self._events.emit("preempting", step=self.step, signalled=signalled,
+                          since_signal_s=self._since_signal())
+
+        def outcome(saved: bool, reason: str, *, save_s: float = 0.0,
+                    projected_s: float | None = None, nbytes: int = 0) -> PreemptionOutcome:
+            out = PreemptionOutcome(
+                step=self.step, saved=saved, reason=reason,
+                exit_code=0 if signalled else EXIT_RESTART, signalled=signalled,
+                drain_s=drain_s, save_s=save_s, projected_s=projected_s, grace_left_s=left,
+                signal_to_committed_s=self._since_signal() if saved else None, nbytes=nbytes)
+            self._events.emit("preempt", **dataclasses.asdict(out), grace_s=self._watch.grace_s)
+            return out
+
+        drained = self._drain(preemption.remaining_grace_s())
+        drain_s = time.monotonic() - t0
+        committed = self._committed_step == self.step
+        nbytes = 0 if committed else sum(
+            p.view.numel() * p.view.element_size()
+            for p in describe(state, self.ckpt.rank, self.ckpt.world_size).pieces if p.is_writer)
+        bandwidth = self._bandwidth or self.meta.policy.assumed_write_bytes_per_s
+        all_committed, projected = _agree(committed, nbytes / bandwidth if drained else math.inf)
+        left = preemption.remaining_grace_s()
+        if all_committed:
+            return outcome(True, "already committed")
+        if left is not None and projected > left:
+            what = (f"projected {projected:.1f}s ({nbytes} bytes at {bandwidth / 1e6:.0f} MB/s)"
+                    if math.isfinite(projected) else "an in-flight save still writing")
+            reason = (f"skipped: {what} exceeds the {left:.1f}s of grace left; step "
+                      f"{self._committed_step} stays latest")
+            log.warning("ckptd: preemption save of step %d %s", self.step, reason)
+            return outcome(False, reason, projected_s=projected)
+        t1 = time.monotonic()
+        urgent = self._urgent_checkpointer()
+        try:
+            result = urgent.save(state, step=self.step,
+                                 training=self.metadata(preempted_at=self._signal_wall_time()))
+        except Exception as e:  # noqa: BLE001 - reported in the outcome and the log
+            log.error("ckptd: preemption save of step %d failed: %s", self.step, e)
+            return outcome(False, f"failed: {e}", save_s=time.monotonic() - t1,
+                           projected_s=projected)
+        finally:
+            if urgent is not self.ckpt:
+                urgent.close()
+        self._committed_step = self._issued_step = self.step
+        return outcome(True, "committed", save_s=time.monotonic() - t1, projected_s=projected,
+                       nbytes=result.nbytes)
+
+    # ------------------------------------------------------------------ internals
+    def _on_sigterm(self) -> None:
+        """Runs inside the SIGTERM handler: one line to the events file, the user's callback."""
+        phase = self._newest.phase.value if self._newest is not None else None
+        self._events.emit("sigterm", quiet=True, step=self.step, save_phase=phase)
+        if self._on_sigterm_user is not None:
+            self._on_sigterm_user()
+
+    def _urgent_checkpointer(self) -> Checkpointer:
+        """The checkpointer for the preemption save: no compression, every CPU's thread (the
+        run's own when it already is one, so its staging buffers are reused)."""
+        ck, n = self.ckpt, os.cpu_count() or 1
+        if ck.codec == codecs.RAW and getattr(ck, "auto", None) is None and ck.threads >= n:
+            return ck
+        return Checkpointer(ck.url, rank=ck.rank, world_size=ck.world_size,
+                            keep_last=ck.keep_last, compression=None, threads=n,
+                            run_id=ck.run_id, storage=ck.storage)
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Wait for this run's in-flight saves (their errors are logged, and count as
+        reported); False when one is still writing after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        for step, h in self._saves:
+            try:
+                h.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                return False
+            except Exception as e:  # noqa: BLE001 - this save failed; the next may not
+                log.error("ckptd: the in-flight save of step %d failed: %s", step, e)
+        self._observe()
+        return True
+
+    def _observe(self) -> None:
+        """Learn from finished saves: the committed step and this rank's write bandwidth."""
+        pending = []
+        for step, h in self._saves:
+            if not h.done():
+                pending.append((step, h))
+            elif h.phase is Phase.COMMITTED:
+                r = h.result()
+                self._committed_step = max(self._committed_step or step, step)
+                if r.nbytes and r.stall_s + r.write_s > 0:
+                    self._bandwidth = r.nbytes / (r.stall_s + r.write_s)
+        self._saves = pending
+
+    def _since_signal(self) -> float | None:
+        deadline = preemption.grace_deadline()
+        if deadline is None:
+            return None
+        return time.monotonic() - (deadline - self._watch.grace_s)
+
+    def _signal_wall_time(self) -> float | None:
+        since = self._since_signal()
+        return None if since is None else time.time() - since
+
+    def _set_entry(self, **changes: Any) -> None:
+        history = self.meta.history[:-1] + (dataclasses.replace(self.entry, **changes),)
+        self.meta = dataclasses.replace(self.meta, history=history)
+
+
+
+def exit_now(code: int, ckpt: Checkpointer | None = None) -> None:
+    """``os._exit(code)`` after closing ``ckpt`` (default: the process default; waits for
+    in-flight saves, raises a background error). A restart waits for every worker to exit, and
+    tearing down an interpreter that imported torch took 3 s on the demo's loaded 2 cores."""
+    import sys
+
+    if ckpt is None:
+        from ckptd import api
+
+        ckpt = api._default
+    if ckpt is not None:
+        ckpt.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def resume(
+    ckpt: Checkpointer | None = None,
+    *,
+    reference: TrainingSpec,
+    model: ModelSpec | None = None,
+    policy: ElasticPolicy | None = None,
+    world_size: int | None = None,
+    dp_rank: int | None = None,
+    grace_s: float = 30.0,
+    events: str | None = None,
+    on_sigterm: Callable[[], object] | None = None,
+) -> ElasticRun:
+    """Start this incarnation of an elastic run (every rank, after ``torch.distributed``).
+
+    ``reference`` is the configured setting: a fresh start uses it on its own world size and
+    re-plans it on another; a restart re-plans from the reference stored in the checkpoint (so
+    the global batch stays within ``policy.tolerance`` of it over any number of restarts), but
+    keeps the previous settings when the world size did not change (bit-identical resume).
+    ``model`` defaults to the checkpoint's; ``world_size`` / ``dp_rank`` are the data-parallel
+    size and rank (default: the checkpointer's). Installs :func:`ckptd.on_preemption` with
+    ``grace_s``; on SIGTERM a ``sigterm`` event is logged, then ``on_sigterm`` runs (keep it
+    async-signal-light). ``events``: a local JSONL file for this run's events.
+    """
+    if ckpt is None:
+        from ckptd import api
+
+        ckpt = api._get()
+    policy = policy or ElasticPolicy()
+    world = ckpt.world_size if world_size is None else world_size
+    rank = ckpt.rank if dp_rank is None else dp_rank
+    emitter = EventLog(events, ckpt.rank)
+
+    def latest() -> tuple[float, int | None, dict[str, Any]]:
+        step = ckpt.latest_step()
+        training = {} if step is None else dict(ckpt.read_manifest(step).training)
+        return time.time(), step, training
+
+    # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
+    now, step, training = _from_rank0(latest() if ckpt.rank == 0 else None)
+    if step is None:
+        spec = reference if world == reference.world_size else _replan(
+            model, reference, world, policy)
+        entry = HistoryEntry.of(spec, step=0, time=now, reason="start", reference=reference,
+                                consumed_samples=0)
+        meta = TrainingMeta(spec=spec, reference=reference, model=model, policy=policy,
+                            consumed_samples=0, history=(entry,))
+        resumed, step = False, 0
+    else:
+        prev = TrainingMeta.from_json(training, f"{ckpt.url} step {step}")
+        if reference != prev.reference:
+            log.warning("ckptd: the checkpoint's reference settings %s differ from the given "
+                        "%s; keeping the checkpoint's", prev.reference, reference)
+        model = model or prev.model
+        if world == prev.spec.world_size:
+            spec = prev.spec
+        elif world == prev.reference.world_size:
+            spec = prev.reference
+        else:
+            spec = _replan(model, prev.reference, world, policy)
+        reason = ("restart" if world == prev.spec.world_size
+                  else "scale-up" if world > prev.spec.world_size else "scale-down")
+        entry = HistoryEntry.of(spec, step=step, time=now, reason=reason,
+                                reference=prev.reference, consumed_samples=prev.consumed_samples)
+        meta = dataclasses.replace(prev, spec=spec, model=model, policy=policy,
+                                   history=prev.history + (entry,))
+        resumed = True
+    run = ElasticRun(ckpt, meta, step=step, resumed=resumed, dp_rank=rank, events=emitter,
+                     on_sigterm=on_sigterm)
+    preemption.on_preemption(run._on_sigterm, grace_s=grace_s)
+    env = torchrun_world()
+    emitter.emit("resume", step=step, reason=entry.reason, world=world,
+                 training=spec.to_json(), consumed=meta.consumed_samples,
+                 deviation=entry.deviation, preempted_at=meta.preempted_at, nodes=env.nodes,
+                 restart_count=env.restart_count, pid=os.getpid())
+    log.info("ckptd: %s at step %d on %d data-parallel ranks: micro-batch %d x accumulation %d"
+             " = global batch %d (%+.2f%%), ZeRO-%d", entry.reason, step, world,
+             spec.micro_batch_size, spec.gradient_accumulation_steps, spec.global_batch_size,
+             entry.deviation * 100, spec.zero_stage)
+    return run
+
+
+def _replan(model: ModelSpec | None, reference: TrainingSpec, world: int,
+            policy: ElasticPolicy) -> TrainingSpec:
+    if model is None:
+        raise InvalidSpec(f"re-planning for world size {world} needs a ModelSpec (pass model=)")
+    return replan(model, reference, world, **policy.replan_kwargs()).training
