@@ -2,7 +2,7 @@
 
     results = run(fn, world_size, *args, timeout=120)   # fn(rank, world_size, *args) per rank
 
-- Processes are forked (``"fork"`` context), so 8 ranks start in well under a second on two
+- Processes fork from a forkserver that preloaded torch (see ``_context``), so 8 ranks start fast on two
   cores and ``fn`` / ``args`` need not be picklable; return values must be.
 - The parent owns the rendezvous: a ``TCPStore`` server listening on a socket it bound to
   127.0.0.1 port 0 before forking, so there is no window in which another process can take the
@@ -106,6 +106,15 @@ def _worker(
         conn.close()
 
 
+def _context() -> Any:
+    """forkserver: children fork from a clean single-threaded server that has imported torch
+    once, so they start fast and never inherit a lock held by one of the test process's threads
+    (a plain fork did: a rank hung before init_process_group after earlier tests left threads)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ckptd", "multirank"])
+    return ctx
+
+
 def run(
     fn: Callable[..., Any],
     world_size: int,
@@ -124,7 +133,7 @@ def run(
         raise RuntimeError(
             "multirank.run() forks: the parent must not initialise torch.distributed"
         )
-    ctx = mp.get_context("fork")
+    ctx = _context()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
