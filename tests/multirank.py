@@ -2,8 +2,8 @@
 
     results = run(fn, world_size, *args, timeout=120)   # fn(rank, world_size, *args) per rank
 
-- Processes fork from a forkserver that preloaded torch (see ``_context``), so 8 ranks start fast on two
-  cores and ``fn`` / ``args`` need not be picklable; return values must be.
+- Processes fork from a forkserver that preloaded torch (see ``_context``), so 8 ranks start
+  fast on two cores; ``fn`` must be a module-level function and ``args`` picklable.
 - The parent owns the rendezvous: a ``TCPStore`` server listening on a socket it bound to
   127.0.0.1 port 0 before forking, so there is no window in which another process can take the
   port. The parent never initialises ``torch.distributed`` (forking a process that has a
