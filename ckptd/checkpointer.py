@@ -272,10 +272,12 @@ class Checkpointer:
             self._record(result)
             h._set_committed(result)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            if not partial_written:  # once a partial names them, a commit may still use them
-                self._writer.discard(share, n_files(job.rounds))
             log.error("ckptd: save of step %d failed: %s", share.step, e)
             h._set_failed(e)
+            # best effort, after the error is delivered (an unreachable store retries every
+            # remove); the single driver thread still finishes it before the next save
+            if not partial_written:  # once a partial names them, a commit may still use them
+                self._writer.discard(share, n_files(job.rounds))
             return
         if self.rank == 0 and self.keep_last > 0:
             # After the commit is announced: deleting a large old step takes a while (0.3-0.6 s

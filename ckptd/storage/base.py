@@ -11,12 +11,20 @@ collapse the ``//`` of ``s3://``). A save calls, in this order::
 ``write_file`` need not be atomic: data file names are unique per save attempt and nothing reads
 them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
 none (temp file + rename + directory fsync on a filesystem; a single PUT on an object store).
+
+Optional, beyond the eight methods: ``poll_interval_s``, a ``(first, longest)`` pause in seconds
+between two polls while the commit protocol waits on this storage (see :func:`poll_interval`);
+``incomplete_uploads(prefix) -> [(path, age_s)]`` and ``abort_incomplete_uploads(prefix, *,
+min_age_s) -> int`` where writes can leave invisible leftovers (S3 multipart uploads), for
+``ckptd gc``; ``append_text`` (see :func:`append_text`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
+
+from ckptd import config
 
 Buffer = bytes | bytearray | memoryview
 
@@ -74,3 +82,16 @@ def append_text(storage: Storage, path: str, text: str) -> None:
     except FileNotFoundError:
         old = b""
     storage.put_atomic(path, old + text.encode())
+
+
+def poll_interval(storage: Storage) -> tuple[float, float]:
+    """``(first, longest)`` pause between two polls of ``storage``: its own ``poll_interval_s``
+    hint when it has one (object stores: ``config.remote_poll_min_s/max_s``), else the
+    filesystem bounds ``config.poll_min_s/max_s``. Always positive, first <= longest."""
+    hint = getattr(storage, "poll_interval_s", None)
+    if hint is None:
+        cfg = config.get()
+        hint = (cfg.poll_min_s, cfg.poll_max_s)
+    first, longest = (float(x) for x in hint)
+    first = max(first, 1e-4)
+    return first, max(first, longest)

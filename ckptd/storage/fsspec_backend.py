@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 
+from ckptd import config
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer, join
 
@@ -222,13 +223,33 @@ class FsspecStorage:
 
     # -- beyond the protocol ---------------------------------------------------------------
 
+    @property
+    def poll_interval_s(self) -> tuple[float, float]:
+        """``(first, longest)`` pause between polls of this root while a commit is awaited
+        (:func:`ckptd.storage.base.poll_interval`): an object store's bounds for S3 and other
+        remote stores, where every poll is a billed, rate-limited request of 10-30 ms; the
+        filesystem bounds for memory:// and file://."""
+        cfg = config.get()
+        if self._s3 is None and (self._is_local() or "memory" in _protocols(self._fs)):
+            return cfg.poll_min_s, cfg.poll_max_s
+        return cfg.remote_poll_min_s, cfg.remote_poll_max_s
+
     def abort_incomplete_uploads(self, prefix: str = "", *, min_age_s: float = 0.0) -> int:
-        """Abort multipart uploads under ``prefix`` started at least ``min_age_s`` ago (S3 only;
-        elsewhere there are none); returns how many. ``ckptd gc`` should pass a ``min_age_s``
-        above the longest save so that it never aborts an upload still in progress."""
+        """Abort multipart uploads under the directory ``prefix`` started at least ``min_age_s``
+        ago (S3 only; elsewhere there are none); returns how many. ``ckptd gc`` passes a
+        ``min_age_s`` above the commit timeout, so that it never aborts an upload still in
+        progress, except under steps that can no longer commit."""
         if not self._s3:
             return 0
         return self._s3.abort_incomplete_uploads(self._path(prefix), min_age_s)
+
+    def incomplete_uploads(self, prefix: str = "") -> list[tuple[str, float]]:
+        """``(path, age in seconds)`` of the multipart uploads in progress under ``prefix``,
+        paths relative to the root (S3 only; elsewhere there are none)."""
+        if not self._s3:
+            return []
+        base = _dir_prefix(self._path(""))
+        return [(k[len(base) :], age) for k, age in self._s3.incomplete_uploads(self._path(prefix))]
 
     def _is_local(self) -> bool:
         return "file" in _protocols(self._fs) or "local" in _protocols(self._fs)
@@ -236,6 +257,10 @@ class FsspecStorage:
     def _makedirs(self, parent: str) -> None:
         if self._is_local() and parent:
             self._fs.makedirs(parent, exist_ok=True)
+
+
+def _dir_prefix(key: str) -> str:
+    return f"{key}/" if key else ""
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

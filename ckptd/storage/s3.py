@@ -5,8 +5,10 @@ Requests go through the aiobotocore client that s3fs builds from the user's ``st
 loop; callers are ordinary threads. The policy lives here, once per concern:
 
 - **Writes** (:meth:`S3Objects.write_file`) stream the caller's buffers into parts of
-  ``part_bytes`` (copied, so a caller may reuse a buffer after yielding it) and upload up to
-  ``concurrency`` parts at a time. An object that fits in one part is a single PUT. On failure,
+  ``part_bytes`` (one copy each, so a producer may reuse a buffer after yielding it) and upload
+  up to ``concurrency`` parts at a time, each with the CRC32 that S3 verifies (declared on the
+  upload, see :meth:`_WithDefaults.checksum_algorithm`). An object that fits in one part is a
+  single PUT. On failure,
   parts not yet sent are dropped, the ones in flight are waited for, and the upload is aborted;
   if even the abort fails (S3 unreachable), :meth:`S3Objects.abort_incomplete_uploads`
   (``ckptd gc``) removes it later. Nothing is visible under the key until Complete succeeds.
@@ -48,9 +50,14 @@ def part_size(part_number: int, base: int) -> int:
 
 
 class _Chunker:
-    """Re-chunks the caller's buffers into upload parts (one copy into a fresh bytearray)."""
+    """Re-chunks the caller's buffers into upload parts, as ``bytes`` (see :meth:`take`)."""
 
     def __init__(self, parts: Iterable[Buffer]) -> None:
+        # A list or tuple is held whole by the caller, who waits in write_file: its buffers stay
+        # valid, so a part can be joined straight from them. Any other iterable is a producer
+        # that may reuse a buffer once it has yielded it: what a part holds of it is copied
+        # before the next one is asked for.
+        self._stable = isinstance(parts, (list, tuple))
         self._it: Iterator[Buffer] = iter(parts)
         self._pending = memoryview(b"")
         self.total = 0
@@ -63,21 +70,26 @@ class _Chunker:
             self._pending = memoryview(nxt).cast("B")
         return True
 
-    def take(self, size: int) -> bytearray | None:
-        """The next ``size`` bytes (fewer at the end); None when the stream is exhausted."""
-        if not self._refill():
-            return None
-        out = bytearray(size)  # calloc'd: untouched pages cost nothing, filling is the one copy
-        view, filled = memoryview(out), 0
+    def take(self, size: int) -> bytes | None:
+        """The next ``size`` bytes (fewer at the end); None when the stream is exhausted.
+
+        ``bytes``, built by one copy (a join: no zero-filled buffer first): aiohttp sends a
+        bytes body as it is, but copies a bytearray once more (it slices the body to its
+        length), and botocore refuses a memoryview. A part spanning several buffers of a
+        producer costs a second copy."""
+        pieces: list[Buffer] = []
+        filled = 0
         while filled < size and self._refill():
             k = min(size - filled, len(self._pending))
-            view[filled : filled + k] = self._pending[:k]
+            piece = self._pending[:k]
+            pieces.append(piece if self._stable else bytes(piece))
             self._pending = self._pending[k:]
             filled += k
-        view.release()
-        del out[filled:]
+        if not pieces:
+            return None
         self.total += filled
-        return out
+        first = pieces[0]
+        return first if len(pieces) == 1 and isinstance(first, bytes) else b"".join(pieces)
 
     def at_end(self) -> bool:
         return not self._refill()
@@ -153,8 +165,12 @@ class S3Objects:
             if body is None or chunks.at_end():
                 self.put(key, body if body is not None else b"")
                 return chunks.total
-            created = self._run(self._call(
-                "create_multipart_upload", key, "start upload", Bucket=self.bucket, Key=key
+            created = self._run(self._retrying(
+                lambda c: c.create_multipart_upload(
+                    Bucket=self.bucket, Key=key, **c.checksum_algorithm()
+                ),
+                key,
+                "start upload",
             ))
             upload = _Upload(created["UploadId"])
             number = 1
@@ -188,7 +204,7 @@ class S3Objects:
                 self._part_slots.release()
 
     def _submit_part(
-        self, key: str, upload: _Upload, number: int, body: bytearray
+        self, key: str, upload: _Upload, number: int, body: bytes
     ) -> concurrent.futures.Future[dict[str, Any]]:
         fut = asyncio.run_coroutine_threadsafe(
             self._upload_part(key, upload, number, body), self._loop
@@ -203,13 +219,17 @@ class S3Objects:
         return fut
 
     async def _upload_part(
-        self, key: str, upload: _Upload, number: int, body: bytearray
+        self, key: str, upload: _Upload, number: int, body: bytes
     ) -> dict[str, Any]:
         if upload.failed.is_set():
             raise _Skipped()
-        resp = await self._call(
-            "upload_part", key, f"upload part {number}", Bucket=self.bucket, Key=key,
-            UploadId=upload.upload_id, PartNumber=number, Body=body,
+        resp: dict[str, Any] = await self._retrying(
+            lambda c: c.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload.upload_id, PartNumber=number,
+                Body=body, **c.checksum_algorithm(),
+            ),
+            key,
+            f"upload part {number}",
         )
         part = {"PartNumber": number, "ETag": resp["ETag"]}
         part.update({k: v for k, v in resp.items() if k.startswith("Checksum")})
@@ -251,22 +271,35 @@ class S3Objects:
                 raise
 
     def abort_incomplete_uploads(self, prefix: str, min_age_s: float = 0.0) -> int:
-        return self._run(self._abort_all(prefix, min_age_s))
+        """Abort the uploads under the "directory" ``prefix`` (``a/b`` covers ``a/b/...``, not
+        ``a/bc``) started at least ``min_age_s`` ago; how many."""
+        return self._run(self._abort_all(_dir_prefix(prefix), min_age_s))
 
-    async def _abort_all(self, prefix: str, min_age_s: float) -> int:
-        uploads: list[tuple[str, str]] = []
+    def incomplete_uploads(self, prefix: str) -> list[tuple[str, float]]:
+        """``(key, age in seconds)`` of every upload in progress under the "directory"
+        ``prefix``, oldest key first."""
+        now = time.time()
+        found = self._run(self._list_uploads(_dir_prefix(prefix)))
+        return sorted((key, now - started) for key, _, started in found)
+
+    async def _list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """``(key, upload id, start time)`` of the uploads in progress under ``prefix``."""
+        out: list[tuple[str, str, float]] = []
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         while True:
             page = await self._call("list_multipart_uploads", prefix, "list uploads", **kw)
             for u in page.get("Uploads", []):
-                if time.time() - u["Initiated"].timestamp() >= min_age_s:
-                    uploads.append((u["Key"], u["UploadId"]))
+                out.append((u["Key"], u["UploadId"], u["Initiated"].timestamp()))
             if not page.get("IsTruncated"):
-                break
+                return out
             kw["KeyMarker"] = page["NextKeyMarker"]
             kw["UploadIdMarker"] = page["NextUploadIdMarker"]
-        await _all_or_cancel([self._abort(k, u) for k, u in uploads])
-        return len(uploads)
+
+    async def _abort_all(self, prefix: str, min_age_s: float) -> int:
+        now = time.time()
+        doomed = [(k, u) for k, u, t in await self._list_uploads(prefix) if now - t >= min_age_s]
+        await _all_or_cancel([self._abort(k, u) for k, u in doomed])
+        return len(doomed)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -400,6 +433,17 @@ class _WithDefaults:
             return method(**self._fs._get_s3_method_kwargs(method, **kwargs))  # type: ignore
 
         return call
+
+    def checksum_algorithm(self) -> dict[str, str]:
+        """``ChecksumAlgorithm`` for CreateMultipartUpload and UploadPart: CRC32, the checksum
+        botocore puts on every PUT and part unless told otherwise
+        (``request_checksum_calculation="when_required"``, for S3-compatible stores without
+        flexible checksums: then nothing). Declared, S3 checks each part's CRC32 and keeps a
+        composite of them; undeclared, it would checksum the whole object again on Complete
+        (and moto copies it once more to do so)."""
+        config = getattr(getattr(self._client, "meta", None), "config", None)
+        when = getattr(config, "request_checksum_calculation", None) or "when_supported"
+        return {"ChecksumAlgorithm": "CRC32"} if when == "when_supported" else {}
 
 
 async def _all_or_cancel(coros: Sequence[Awaitable[T]]) -> list[T]:

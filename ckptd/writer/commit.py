@@ -234,11 +234,12 @@ def collect_garbage(
     """``ckptd gc``: retention (``keep_last`` > 0), incomplete steps, and on object stores the
     multipart uploads that failed saves left behind (invisible, but billed).
 
-    Uploads under the incomplete steps are aborted whatever their age, before their objects are
-    removed; anywhere else under the root only those at least ``upload_min_age_s`` old
-    (default: ``config.gc_upload_min_age_s`` or twice ``commit_timeout_s``, whichever is
-    longer), which must exceed ``commit_timeout_s`` so that an upload of a save that may still
-    commit is never aborted.
+    Uploads under steps older than the newest commit and without a manifest are aborted whatever
+    their age (such a step may show no object at all: an outage mid-upload leaves only uploads);
+    anywhere else under the root only those at least ``upload_min_age_s`` old (default:
+    ``config.gc_upload_min_age_s`` or twice ``commit_timeout_s``, whichever is longer), which
+    must exceed ``commit_timeout_s`` so that an upload of a save that may still commit is never
+    aborted. Backends without uploads (no ``abort_incomplete_uploads``) skip that part.
     """
     cfg = config.get()
     min_age = (
@@ -255,11 +256,22 @@ def collect_garbage(
     if keep_last > 0:
         report.removed_committed = apply_retention(storage, keep_last)
     abort = getattr(storage, "abort_incomplete_uploads", None)
-    report.removed_incomplete = incomplete_steps(storage)
-    for s in report.removed_incomplete:
+    listed = getattr(storage, "incomplete_uploads", None)
+    committed = committed_steps(storage)
+    dead: list[int] = []
+    if committed:
+        steps = set(all_steps(storage))
+        if listed is not None:  # also steps that hold nothing but uploads
+            for path, _age in listed(""):
+                s = L.parse_step_dir(path.split("/", 1)[0])
+                if s is not None:
+                    steps.add(s)
+        dead = sorted(s for s in steps if s < committed[-1] and s not in committed)
+    for s in dead:
         if abort is not None:
             report.aborted_uploads += int(abort(L.step_dir(s), min_age_s=0.0))
         storage.remove(L.step_dir(s))
+    report.removed_incomplete = dead
     if abort is not None:
         report.aborted_uploads += int(abort("", min_age_s=min_age))
     return report
