@@ -213,15 +213,40 @@ def cmd_finalize(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     storage = open_storage(args.root, args.storage_options)
-    removed_old = C.apply_retention(storage, args.keep_last) if args.keep_last else []
-    removed_incomplete = C.gc_incomplete(storage)
-    out = {"removed_committed": removed_old, "removed_incomplete": removed_incomplete}
+    report = C.collect_garbage(
+        storage, keep_last=args.keep_last, upload_min_age_s=args.upload_min_age
+    )
+    out = {
+        "removed_committed": report.removed_committed,
+        "removed_incomplete": report.removed_incomplete,
+        "aborted_uploads": report.aborted_uploads,
+    }
     print(
         json.dumps(out)
         if args.json
-        else f"removed {len(removed_old)} old committed, {len(removed_incomplete)} incomplete steps"
+        else f"removed {len(report.removed_committed)} old committed, "
+        f"{len(report.removed_incomplete)} incomplete steps; aborted "
+        f"{report.aborted_uploads} incomplete uploads"
     )
     return 0
+
+
+def storage_options_arg(text: str) -> dict[str, Any]:
+    """``--storage-options``: a JSON object, e.g. ``{"client_kwargs": {"endpoint_url": URL}}``."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
+    return value
+
+
+_STORAGE_OPTIONS_HELP = (
+    'JSON object passed to the fsspec backend, e.g. \'{"client_kwargs": {"endpoint_url": '
+    '"http://127.0.0.1:9000"}}\' for an S3-compatible server (accepted before or after the '
+    "subcommand)"
+)
 
 
 Command = Callable[[argparse.Namespace], int]
@@ -230,16 +255,21 @@ Command = Callable[[argparse.Namespace], int]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description=__doc__)
     p.add_argument(
-        "--storage-options",
-        type=json.loads,
-        default=None,
-        help="JSON dict passed to fsspec (e.g. an S3 endpoint)",
+        "--storage-options", type=storage_options_arg, default=None, help=_STORAGE_OPTIONS_HELP
     )
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Command, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
+        # "resolve": a subcommand may define its own --storage-options, replacing this one
+        sp = sub.add_parser(name, help=help_, conflict_handler="resolve")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
+        # also after the subcommand; SUPPRESS: absent here does not reset a value given before
+        sp.add_argument(
+            "--storage-options",
+            type=storage_options_arg,
+            default=argparse.SUPPRESS,
+            help=_STORAGE_OPTIONS_HELP,
+        )
         sp.set_defaults(fn=fn)
         return sp
 
@@ -247,9 +277,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("inspect", cmd_inspect, "logical tensors, dtypes, shapes, chunks").add_argument("ckpt")
     add("verify", cmd_verify, "re-read every byte; checksums, coverage").add_argument("ckpt")
     add("finalize", cmd_finalize, "commit complete-but-uncommitted steps").add_argument("ckpt")
-    gc = add("gc", cmd_gc, "remove incomplete steps (and old ones with --keep-last)")
+    gc = add(
+        "gc",
+        cmd_gc,
+        "remove incomplete steps (and old ones with --keep-last); abort abandoned S3 uploads",
+    )
     gc.add_argument("root")
     gc.add_argument("--keep-last", type=int, default=0)
+    gc.add_argument(
+        "--upload-min-age",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abort incomplete multipart uploads (S3) at least this old (default: "
+        "CKPTD_GC_UPLOAD_MIN_AGE_S, 3600, or twice the commit timeout if longer; must exceed "
+        "the commit timeout); those under removed incomplete steps whatever their age",
+    )
     for module in _COMMAND_MODULES:
         importlib.import_module(module).register(sub, add)
     return p
@@ -258,13 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that live next to the library code they drive. Each module has
 # ``register(subparsers, add)`` where ``add(name, fn, help) -> ArgumentParser`` adds a
 # subcommand with ``--json``; ``fn(args) -> int`` is the exit status.
-_COMMAND_MODULES: list[str] = []
+_COMMAND_MODULES: list[str] = ["ckptd.interop.commands", "ckptd.reshard.commands",
+                              "ckptd.elastic.commands"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.storage_options is None:
-        args.storage_options = None
     try:
         return int(args.fn(args))
     except (CkptdError, OSError, ValueError) as e:

@@ -6,19 +6,26 @@ Order of work, chosen so that a failed load leaves every destination tensor unto
    dtype, every destination value key exists (``strict``), and no saved tensor is left unasked
    (``strict``; across ranks when ``torch.distributed`` is initialised). All ranks learn every
    rank's problems, so all raise together.
-2. **read + verify** — the planned frames are fetched in parallel and their checksums verified.
-   When they fit the load budget they are kept; otherwise this pass only verifies (streaming, in
-   budget-sized batches) and step 4 reads them again (usually from the page cache).
-3. **agree** — with ``torch.distributed`` initialised, ranks exchange their read errors, so that
+2. **plan** — overlapping chunks, frames, coalesced ranges (:mod:`ckptd.reshard.plan`). With
+   read-once on, pieces that several ranks need are read by one of them (:mod:`.read_once`).
+3. **read + verify** — ranges are fetched in parallel threads and every frame's checksum is
+   verified, holding at most the load budget (``load_budget_bytes``) of read buffers. When
+   everything fits, the data is kept; otherwise the ranges that fit at the end of the plan are
+   kept and the others are only verified (and read again in step 5, usually from the page cache).
+4. **agree** — with ``torch.distributed`` initialised, ranks exchange their read errors, so that
    either every rank copies or none does.
-4. **copy** — intersections are copied view to view into the destination; then JSON values and
-   per-rank values are replaced in their containers.
+5. **copy** — the kept data is copied; the other ranges are read again and verified again, whole
+   raw frames straight into contiguous destination memory (:mod:`.direct`), the rest through
+   read buffers and copied view to view, in the worker threads; read-once pieces are broadcast
+   by their reader; then JSON values and per-rank values are replaced in their containers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,11 +33,37 @@ import torch
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
-from ckptd.regions import copy_region
-from ckptd.reshard.plan import Read, ReadPlan, plan_reads, source_view
-from ckptd.reshard.reader import fetch
-from ckptd.sharding import LOCAL_PREFIX, Described, Piece, local_name
+from ckptd.reshard import direct, read_once, tuning
+from ckptd.reshard.plan import LoadPlan, Range, plan_load, source_view
+from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, run_ranges
+from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
 from ckptd.storage import Storage
+
+
+@dataclass
+class LoadStats:
+    """What one load did on this rank (``last_stats()``; benchmarks and tests read it)."""
+
+    needed_bytes: int = 0  # bytes of the destination regions read from storage by this rank
+    planned_ranges: int = 0
+    runs: int = 0  # contiguous byte runs the ranges form (ranges split only by the read unit)
+    reads: ReadStats = field(default_factory=ReadStats)  # both passes
+    reread: ReadStats = field(default_factory=ReadStats)  # the copy pass's share of ``reads``
+    peak_buffer_bytes: int = 0  # the reader's peak host memory for read buffers
+    budget_bytes: int = 0
+    passes: int = 1  # 2 when the data did not fit the budget and some ranges were read twice
+    broadcast_bytes: int = 0  # read-once: bytes received from or sent to other ranks
+    # seconds per phase: check, plan, read (+ verify), agree, copy, reread (+ verify + copy),
+    # broadcast
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+_last = threading.local()
+
+
+def last_stats() -> LoadStats | None:
+    """The statistics of the last load in this thread."""
+    return getattr(_last, "stats", None)
 
 
 def _dist() -> Any:
@@ -67,9 +100,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
                 problems.append(f"{p.name}: missing from the checkpoint")
             continue
         if entry.shape != p.global_shape:
-            problems.append(
-                f"{p.name}: saved shape {entry.shape}, destination {p.global_shape}"
-            )
+            problems.append(f"{p.name}: saved shape {entry.shape}, destination {p.global_shape}")
         elif entry.dtype != p.dtype:
             problems.append(f"{p.name}: saved dtype {entry.dtype}, destination {p.dtype}")
         else:
@@ -92,17 +123,47 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
     return pieces
 
 
-def _batches(reads: list[Read], budget: int) -> Iterator[list[Read]]:
-    batch: list[Read] = []
-    size = 0
-    for r in reads:
-        if batch and size + r.raw_length > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append(r)
-        size += r.raw_length
-    if batch:
-        yield batch
+def gap_bytes(storage: Storage) -> int:
+    """The coalescing gap for this storage (a remote store pays more per request)."""
+    t = tuning.get()
+    return t.remote_gap_bytes if "://" in storage.url else t.gap_bytes
+
+
+def make_plan(storage: Storage, manifest: Manifest, pieces: list[Piece], rank: int | None,
+              buffers: Buffers) -> LoadPlan:
+    return plan_load(manifest, pieces, rank=rank, gap_bytes=gap_bytes(storage),
+                     unit_bytes=buffers.unit)
+
+
+def kept_suffix(ranges: list[Range], buffers: Buffers, threads: int, remote: bool) -> set[int]:
+    """Indices of the ranges whose data the verify pass keeps for the copy pass.
+
+    Remote storage: all when they fit the budget, else the longest suffix that leaves room for
+    ``threads`` ranges in flight. Local: all or nothing (``tuning.local_hold_bytes``)."""
+    costs = [buffers.cost(r) for r in ranges]
+    room = buffers.limit if remote else min(buffers.limit, tuning.get().local_hold_bytes)
+    if sum(costs) <= room:
+        return set(range(len(ranges)))
+    if not remote:
+        return set()
+    room -= threads * max(costs, default=0)
+    kept: set[int] = set()
+    for i in range(len(ranges) - 1, -1, -1):
+        if costs[i] > room:
+            break
+        room -= costs[i]
+        kept.add(i)
+    return kept
+
+
+def copy_range(rng: Range, data: Data) -> None:
+    """Copy every region of ``rng`` into its destination (thread-safe: regions are disjoint)."""
+    with torch.no_grad():
+        for read in rng.reads:
+            raw = data[read]
+            for c in read.copies:
+                src = source_view(c, raw, c.piece.dtype)
+                c.piece.view[c.region.within(c.piece.box)].copy_(src)
 
 
 def _agree(error: BaseException | None) -> None:
@@ -112,16 +173,6 @@ def _agree(error: BaseException | None) -> None:
     for r, m in enumerate(messages):
         if m is not None:
             raise CorruptCheckpoint(f"load aborted on every rank: rank {r} failed: {m}")
-
-
-def _copy(plan: ReadPlan, data: dict[int, torch.Tensor], reads: set[int]) -> None:
-    with torch.no_grad():
-        for c in plan.copies:
-            if id(c.read) not in reads:
-                continue
-            raw = data[id(c.read)]
-            src = source_view(c.read, raw.view(c.piece.dtype), c.region)
-            copy_region(c.region, src, c.region, c.piece.view, c.piece.box)
 
 
 def load_into(
@@ -136,32 +187,74 @@ def load_into(
     pool: ThreadPoolExecutor,
 ) -> int:
     """Fill ``described``'s destination from ``manifest``; returns the stored bytes read."""
+    stats = LoadStats()
+    _last.stats = stats
+    clock = _Clock(stats.seconds)
     pieces = check(manifest, described, rank, strict, world_size)
-    plan = plan_reads(manifest, pieces)
-    budget = config.get().load_budget_bytes
-    total_raw = sum(r.raw_length for r in plan.reads)
-    nbytes = 0
+    dist = _dist()
+    sharing = read_once.plan_sharing(pieces, storage) if dist is not None else None
+    mine = sharing.to_read(pieces) if sharing is not None else pieces
+    clock("check")
+    buffers = Buffers(config.get().load_budget_bytes)
+    plan = make_plan(storage, manifest, mine, rank, buffers)
+    stats.needed_bytes, stats.planned_ranges = plan.needed_bytes, len(plan.ranges)
+    stats.runs = plan.runs(gap_bytes(storage))
+    stats.budget_bytes = buffers.limit
+    kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
+                       remote="://" in storage.url)
+    clock("plan")
     error: BaseException | None = None
-    kept: dict[int, torch.Tensor] = {}
+    held: dict[int, Fetched] = {}
     try:
-        if total_raw <= budget:
-            kept = fetch(storage, step_dir, plan.reads, pool)
-        else:
-            for batch in _batches(plan.reads, budget):  # verify-only pass
-                fetch(storage, step_dir, batch, pool)
-        nbytes += plan.stored_bytes
+        held = run_ranges(storage, step_dir, plan.ranges, pool, buffers, hold=kept,
+                          stats=stats.reads)
     except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or peers hang
         error = e
-    _agree(error)
-    if kept:
-        _copy(plan, kept, set(kept))
-    elif total_raw:
-        for batch in _batches(plan.reads, budget):
-            data = fetch(storage, step_dir, batch, pool)
-            nbytes += sum(r.length for r in batch)
-            _copy(plan, data, set(data))
+    clock("read")
+    try:
+        _agree(error)
+    except BaseException:
+        _free(held, plan.ranges, buffers)
+        raise
+    clock("agree")
+    try:
+        futures = [pool.submit(copy_range, plan.ranges[i], got.data) for i, got in held.items()]
+        for f in futures:
+            f.result()
+    finally:
+        _free(held, plan.ranges, buffers)
+    clock("copy")
+    rest = [r for i, r in enumerate(plan.ranges) if i not in kept]
+    if rest:
+        stats.passes = 2
+        direct.fill(storage, step_dir, manifest, rest, rank, pool, buffers, gap_bytes(storage),
+                    buffers.unit, stats.reread)
+        stats.reads.add(stats.reread)
+        clock("reread")
+    if sharing is not None:
+        stats.broadcast_bytes = sharing.broadcast(buffers)
+        clock("broadcast")
+    stats.peak_buffer_bytes = buffers.peak
     _replace_values(manifest, described, rank)
-    return nbytes
+    return stats.reads.stored_bytes
+
+
+def _free(held: dict[int, Fetched], ranges: list[Range], buffers: Buffers) -> None:
+    for i in list(held):
+        held.pop(i).free()
+        buffers.release(buffers.cost(ranges[i]))
+
+
+class _Clock:
+    """Records the seconds since the previous call under each phase name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 def _replace_values(manifest: Manifest, described: Described, rank: int) -> None:
@@ -171,9 +264,7 @@ def _replace_values(manifest: Manifest, described: Described, rank: int) -> None
     saved_locals = manifest.locals.get(str(rank), {})
     for key, slot in described.local_slots.items():
         if key in saved_locals:
-            from ckptd.sharding import Local
-
             slot.container[slot.key] = Local(saved_locals[key])
 
 
-__all__ = ["load_into", "check", "local_name"]
+__all__ = ["load_into", "check", "local_name", "last_stats", "LoadStats", "copy_range"]

@@ -1,47 +1,138 @@
-"""Fetching planned reads: ranged reads grouped by file, in parallel threads; every frame's
-checksum verified on exactly the bytes read; frames decoded."""
+"""Fetching planned ranges: ranged reads in parallel threads within a host-memory budget; every
+frame's checksum verified on exactly the bytes read; compressed frames decoded.
+
+Memory: every read buffer comes from (or is counted by) :class:`Buffers`. Before a range is
+requested, the buffers it will need are reserved (its stored bytes, plus a decoded buffer per
+compressed read and a frame's decoding temporaries), and released once it is done; buffers of up to
+``unit_bytes`` are pooled and reused, so a streaming load touches the same few pages over and
+over (fresh pages cost ~1 GB/s of page faults on a VM, as much as the disk). ``Buffers.peak``
+is the reader's peak host memory for read buffers: allocated bytes, pooled ones included. A
+range larger than the whole budget is still read — alone.
+
+Local files (exactly :class:`ckptd.storage.LocalStorage`) are read straight into pooled buffers
+with ``preadv``; every other backend goes through ``Storage.read_ranges`` (its buffers are
+counted, not pooled).
+"""
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from ckptd.errors import CorruptCheckpoint
-from ckptd.reshard.plan import Read
-from ckptd.storage import Storage
+from ckptd.reshard import tuning
+from ckptd.reshard.plan import Range, Read
+from ckptd.storage import LocalStorage, Storage
 from ckptd.writer import codecs
 
-
-def _decode_read(read: Read, stored: bytes, where: str) -> bytes | bytearray | memoryview:
-    chunk = read.chunk
-    if len(stored) != read.length:
-        raise CorruptCheckpoint(f"{where}: {read.tensor}: short read ({len(stored)} of {read.length} bytes)")
-    out: list[bytes | bytearray | memoryview] = []
-    view = memoryview(stored)
-    pos = 0
-    for i in range(read.frame_lo, read.frame_hi):
-        frame = chunk.frames[i]
-        data = view[pos : pos + frame.stored]
-        pos += frame.stored
-        if codecs.checksum(data) != frame.checksum:
-            raise CorruptCheckpoint(
-                f"{where}: {read.tensor}: checksum mismatch in frame {i} of the chunk at byte "
-                f"{chunk.offset} (box {chunk.box.to_json()})"
-            )
-        raw_len = min(chunk.frame_bytes, chunk.length - i * chunk.frame_bytes)
-        try:
-            out.append(codecs.decode(data, chunk.codec, raw_len, read.itemsize))
-        except Exception as e:  # zstd errors have no common base class
-            raise CorruptCheckpoint(f"{where}: {read.tensor}: frame {i} does not decode ({e})") from e
-    if chunk.codec == codecs.RAW:
-        return view
-    return b"".join(out)
+Buf = bytearray | bytes | memoryview
 
 
-def as_uint8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
+class Buffers:
+    """Read buffers: at most ``limit`` bytes reserved at once (``reserve`` blocks while the
+    new total would exceed it, unless nothing is reserved), pooled by ``unit``-sized slots."""
+
+    def __init__(self, limit: int, unit: int | None = None) -> None:
+        self.limit = max(1, int(limit))
+        # the read unit, and the pooled buffer size: at most a quarter of the budget, so that
+        # several ranges are in flight even under a small budget
+        self.unit = unit or max(4096, min(tuning.get().unit_bytes, self.limit // 4))
+        self.reserved = 0
+        self.allocated = 0  # bytes of live buffers, pooled idle ones included
+        self.peak = 0
+        self._idle: list[bytearray] = []
+        self._idle_bytes = 0
+        self._cond = threading.Condition()
+
+    def size_of(self, n: int) -> int:
+        """Bytes a buffer of ``n`` bytes occupies: a pooled unit from a quarter unit up (the
+        bulk of a load), exactly ``n`` below (small ranges are not worth a whole unit)."""
+        return self.unit if self.unit // 4 < n <= self.unit else n
+
+    def cost(self, rng: Range) -> int:
+        """Bytes to reserve for fetching and decoding ``rng``."""
+        out = self.size_of(rng.length)
+        for r in rng.reads:
+            if r.compressed:  # + a frame's temporaries while it decodes (codecs.decode)
+                out += self.size_of(r.raw_length) + 4 * r.chunk.frame_bytes
+        return out
+
+    # Invariant: idle pooled bytes <= limit - reserved, and everything in use (buffers and
+    # decoding temporaries) is covered by a reservation; so allocations stay within the limit.
+    def reserve(self, n: int) -> None:
+        with self._cond:
+            while self.reserved and self.reserved + n > self.limit:
+                self._cond.wait()
+            self.reserved += n
+            self._trim()
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.reserved -= n
+            self._cond.notify_all()
+
+    def take(self, n: int) -> bytearray:
+        """A buffer of at least ``n`` bytes (call within a reservation covering it)."""
+        size = self.size_of(n)
+        with self._cond:
+            if size == self.unit and self._idle:
+                self._idle_bytes -= size
+                return self._idle.pop()
+            self._count(size)
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        """Hand back a buffer (before releasing the reservation that covered it)."""
+        with self._cond:
+            if len(buf) == self.unit:
+                self._idle.append(buf)
+                self._idle_bytes += len(buf)
+                self._trim(len(buf))
+            else:
+                self.allocated -= len(buf)
+
+    def _trim(self, covered: int = 0) -> None:
+        while self._idle and self._idle_bytes > self.limit - self.reserved + covered:
+            buf = self._idle.pop()
+            self._idle_bytes -= len(buf)
+            self.allocated -= len(buf)
+
+    def count(self, n: int) -> None:
+        """Account for a buffer allocated elsewhere (a backend's read result)."""
+        with self._cond:
+            self._count(n)
+
+    def uncount(self, n: int) -> None:
+        with self._cond:
+            self.allocated -= n
+
+    def _count(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+
+@dataclass
+class ReadStats:
+    ranges: int = 0  # storage requests
+    stored_bytes: int = 0  # bytes requested from storage
+    frames: int = 0  # frames verified
+
+    def add(self, other: ReadStats) -> None:
+        self.ranges += other.ranges
+        self.stored_bytes += other.stored_bytes
+        self.frames += other.frames
+
+
+Data = dict[Read, torch.Tensor]  # decoded bytes (uint8) of each read of a range
+
+
+def as_uint8(buf: Buf) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without copying (read-only buffers are only ever read)."""
     if len(buf) == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -50,36 +141,174 @@ def as_uint8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def fetch(
-    storage: Storage, step_dir: str, reads: Sequence[Read], pool: ThreadPoolExecutor
-) -> dict[int, torch.Tensor]:
-    """Decoded bytes (as uint8 tensors) of each read, keyed by ``id(read)``."""
-    by_file: dict[str, list[Read]] = {}
-    for r in reads:
-        by_file.setdefault(r.chunk.file, []).append(r)
+def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | None = None,
+                ) -> torch.Tensor:
+    """Verify every frame of ``read`` in ``stored`` (its stored bytes) and return the raw bytes:
+    a view of ``stored`` for raw chunks, ``out`` (``raw_length`` bytes or more) decoded for
+    compressed ones."""
+    chunk = read.chunk
+    if len(stored) != read.length:
+        raise CorruptCheckpoint(
+            f"{where}: {read.tensor}: short read ({len(stored)} of {read.length} bytes)")
+    if read.compressed and out is None:
+        out = bytearray(read.raw_length)
+    pos = raw_pos = 0
+    for i in range(read.frame_lo, read.frame_hi):
+        frame = chunk.frames[i]
+        data = stored[pos : pos + frame.stored]
+        pos += frame.stored
+        if codecs.checksum(data) != frame.checksum:
+            raise CorruptCheckpoint(
+                f"{where}: {read.tensor}: checksum mismatch in frame {i} of the chunk at byte "
+                f"{chunk.offset} (box {chunk.box.to_json()})")
+        if read.compressed:
+            assert out is not None
+            raw_len = min(chunk.frame_bytes, chunk.length - i * chunk.frame_bytes)
+            try:
+                raw = codecs.decode(data, chunk.codec, raw_len, read.itemsize)
+            except Exception as e:  # zstd errors have no common base class
+                raise CorruptCheckpoint(
+                    f"{where}: {read.tensor}: frame {i} does not decode ({e})") from e
+            out[raw_pos : raw_pos + raw_len] = raw
+            raw_pos += raw_len
+            del raw
+    if out is not None:
+        return as_uint8(out)[: read.raw_length]
+    return as_uint8(stored)
 
-    def one_file(file: str, rs: list[Read]) -> list[tuple[int, torch.Tensor]]:
-        where = f"{step_dir}/{file}"
-        try:
-            blobs = storage.read_ranges(where, [(r.start, r.length) for r in rs])
-        except FileNotFoundError as e:
-            raise CorruptCheckpoint(f"{where}: {rs[0].tensor}: data file missing") from e
-        except EOFError as e:
-            raise CorruptCheckpoint(f"{where}: {rs[0].tensor}: data file truncated ({e})") from e
-        out = []
-        for r, blob in zip(rs, blobs, strict=True):
-            raw = _decode_read(r, blob, where)
-            out.append((id(r), as_uint8(raw)))
-        return out
 
-    futures = [pool.submit(one_file, f, rs) for f, rs in by_file.items()]
-    result: dict[int, torch.Tensor] = {}
-    error: BaseException | None = None
-    for fut in futures:
+def _read_local(storage: LocalStorage, path: str, offset: int, buf: memoryview) -> None:
+    """``preadv`` into ``buf``: the local fast path (no intermediate buffer)."""
+    full = os.path.join(storage.root, path)
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buf):  # preadv may return short on some filesystems
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n == 0:
+                raise EOFError(f"{full}: wanted {len(buf)} bytes at offset {offset}, file ends "
+                               f"after {done}")
+            done += n
+    finally:
+        os.close(fd)
+
+
+class Fetched:
+    """A fetched range: its decoded bytes per read, and the buffers to hand back."""
+
+    def __init__(self, data: Data, buffers: Buffers, owned: list[bytearray], counted: int):
+        self.data, self._buffers, self._owned, self._counted = data, buffers, owned, counted
+
+    def free(self) -> None:
+        self.data.clear()
+        for b in self._owned:
+            self._buffers.give(b)
+        self._owned = []
+        self._buffers.uncount(self._counted)
+        self._counted = 0
+
+
+def fetch_range(storage: Storage, step_dir: str, rng: Range, buffers: Buffers) -> Fetched:
+    """Read, verify and decode one range (within a reservation of ``buffers.cost(rng)``)."""
+    path = f"{step_dir}/{rng.file}"
+    where = f"{storage.url}/{path}"  # messages name the file as the user knows it
+    owned: list[bytearray] = []
+    counted = 0
+    try:
+        if type(storage) is LocalStorage:
+            buf = buffers.take(rng.length)
+            owned.append(buf)
+            view = memoryview(buf)[: rng.length]
+            _read_local(storage, path, rng.start, view)
+        else:
+            (blob,) = storage.read_ranges(path, [(rng.start, rng.length)])
+            counted = len(blob)
+            buffers.count(counted)
+            view = memoryview(blob)
+    except FileNotFoundError as e:
+        Fetched({}, buffers, owned, counted).free()
+        raise CorruptCheckpoint(f"{where}: {', '.join(rng.tensors)}: data file missing") from e
+    except EOFError as e:
+        Fetched({}, buffers, owned, counted).free()
+        raise CorruptCheckpoint(
+            f"{where}: {', '.join(rng.tensors)}: data file truncated ({e})") from e
+    got = Fetched({}, buffers, owned, counted)
+    try:
+        for r in rng.reads:
+            out = None
+            if r.compressed:
+                out = buffers.take(r.raw_length)
+                owned.append(out)
+            got.data[r] = decode_read(
+                r, view[r.start - rng.start : r.start - rng.start + r.length], where, out)
+    except BaseException:
+        got.free()
+        raise
+    return got
+
+
+def run_ranges(
+    storage: Storage,
+    step_dir: str,
+    ranges: Sequence[Range],
+    pool: ThreadPoolExecutor,
+    buffers: Buffers,
+    use: Callable[[Range, Data], None] | None = None,
+    *,
+    hold: Collection[int] = (),
+    stats: ReadStats | None = None,
+) -> dict[int, Fetched]:
+    """Fetch ``ranges`` in parallel within ``buffers``' budget, and call ``use(range, data)``
+    on each in the worker thread (e.g. copy into the destination).
+
+    Ranges whose index is in ``hold`` keep their data and reservation: they are returned by
+    index, and the caller calls ``free()`` and ``buffers.release(buffers.cost(range))`` when
+    done. The first error is raised after the ranges in flight finish; no further range starts.
+    """
+    held: dict[int, Fetched] = {}
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+    local = ReadStats()
+
+    def work(i: int, rng: Range) -> None:
+        keep = False
+        got = None
         try:
-            result.update(fut.result())
-        except BaseException as e:  # noqa: BLE001 - raise the first after all stop
-            error = error or e
-    if error is not None:
-        raise error
-    return result
+            if failed:
+                return
+            got = fetch_range(storage, step_dir, rng, buffers)
+            with lock:
+                local.ranges += 1
+                local.stored_bytes += rng.length
+                local.frames += sum(r.frame_hi - r.frame_lo for r in rng.reads)
+            if use is not None:
+                use(rng, got.data)
+            if i in hold:
+                with lock:
+                    held[i] = got
+                keep = True
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+            with lock:
+                failed.append(e)
+        finally:
+            if not keep:
+                if got is not None:
+                    got.free()
+                buffers.release(buffers.cost(rng))
+
+    futures: list[Future[None]] = []
+    for i, rng in enumerate(ranges):
+        if failed:
+            break
+        buffers.reserve(buffers.cost(rng))
+        futures.append(pool.submit(work, i, rng))
+    for f in futures:
+        f.result()
+    if stats is not None:
+        stats.add(local)
+    if failed:
+        for i, got in held.items():  # the caller gets an error, not the data: free it here
+            got.free()
+            buffers.release(buffers.cost(ranges[i]))
+        raise failed[0]
+    return held

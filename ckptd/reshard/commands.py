@@ -1,0 +1,148 @@
+"""``ckptd reshard`` and ``ckptd layout``: thin shells over :mod:`ckptd.reshard.offline`,
+:mod:`ckptd.reshard.targets` and :mod:`ckptd.reshard.infer`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ckptd import config
+from ckptd.cli import _human, _progress, _table, open_ckpt
+from ckptd.manifest import Manifest
+from ckptd.reshard import tuning
+from ckptd.reshard.infer import infer_layout
+from ckptd.reshard.layout_file import LayoutSpec, dumps, read_layout
+from ckptd.reshard.offline import RankReport, Resharder
+from ckptd.reshard.targets import Resolver
+from ckptd.reshard.training import replan_training
+from ckptd.storage import open_storage
+
+Add = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
+def register(sub: Any, add: Add) -> None:
+    r = add("reshard", cmd_reshard, "rewrite a checkpoint packed per rank of a target world")
+    r.add_argument("ckpt", help="ROOT (latest step) or ROOT/step-NNNNNNNNN")
+    r.add_argument("--to-world", type=int, required=True, metavar="N")
+    r.add_argument("--tp", type=int, help="tensor-parallel size (overrides the layout file)")
+    r.add_argument("--pp", type=int, help="pipeline-parallel size (overrides the layout file)")
+    r.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (default: the layout file's, else the re-planned one)")
+    r.add_argument("--layout", metavar="FILE", help="layout file (default: inferred, as "
+                   "`ckptd layout` writes it)")
+    r.add_argument("--out", metavar="DEST", help="root URL of the new checkpoint")
+    r.add_argument("--out-storage-options", type=json.loads, default=None,
+                   help="JSON dict for DEST's fsspec backend (default: --storage-options)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print per target rank: bytes to read, ranges, peak memory")
+    r.add_argument("--threads", type=int, help="worker threads (default: ckptd's io threads)")
+    r.add_argument("--budget", type=int, metavar="BYTES",
+                   help="host memory for data (default: the load budget)")
+    r.add_argument("--compression", default="same", help="same | none | zstd[:LEVEL]")
+    r.add_argument("--mem-limit-gib", type=float, help="re-plan: memory per GPU")
+    r.add_argument("--max-micro-batch-size", type=int, help="re-plan: largest micro-batch")
+    r.add_argument("--tolerance", type=float, help="re-plan: global batch band (default 0.10)")
+    lay = add("layout", cmd_layout, "write a starting layout file for `reshard --layout`")
+    lay.add_argument("ckpt")
+    lay.add_argument("--tp", type=int, default=1)
+    lay.add_argument("--pp", type=int, default=1)
+    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    lay.add_argument("--world", type=int, help="check the layout against this world size")
+    lay.add_argument("--out", metavar="FILE", help="default: standard output")
+    lay.add_argument("--format", choices=("toml", "json"),
+                     help="default: from --out's extension, else toml")
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
+    spec = infer_layout(manifest, args.tp, args.pp, args.zero)
+    fmt = args.format or ("json" if (args.out or "").endswith(".json") else "toml")
+    header = (f"ckptd layout inferred from {storage.url} step {step} for tp {args.tp}, pp "
+              f"{args.pp}, ZeRO {args.zero}: review every rule (notes say why) before use.")
+    if args.world:
+        Resolver(spec, manifest, args.world)  # raises naming the tensor and rule
+    text = dumps(spec, fmt, header)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}: {len(spec.rules)} rules", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> LayoutSpec:
+    if args.layout:
+        spec = read_layout(args.layout)
+    else:
+        spec = infer_layout(manifest, args.tp or 1, args.pp or 1, zero or 0)
+    return spec.with_parallel(args.tp, args.pp, args.zero if args.zero is not None else
+                              (None if args.layout else zero))
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    if not args.dry_run and not args.out:
+        raise ValueError("--out DEST is required (or --dry-run)")
+    storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
+    world = args.to_world
+    replanned = replan_training(manifest.training, manifest, world, zero=args.zero,
+                                mem_limit_gib=args.mem_limit_gib,
+                                max_micro_batch_size=args.max_micro_batch_size,
+                                tolerance=args.tolerance)
+    zero = None
+    if replanned is not None:
+        zero = int(replanned.training["spec"]["zero_stage"])
+        print(replanned.table, file=sys.stderr if args.json else sys.stdout)
+    spec = _layout(args, manifest, zero)
+    assignment = Resolver(spec, manifest, world).assignment()
+    total = 0
+    resharder = Resharder(
+        storage, step, manifest, assignment,
+        budget=args.budget or config.get().load_budget_bytes,
+        threads=args.threads or config.io_threads(),
+        replicate_small=tuning.get().replicate_small_bytes,
+        compression=args.compression)
+    total = sum(p.write_bytes for p in resharder.plans)
+    bar = _progress(total, "plan" if args.dry_run else "reshard")
+    resharder.on_bytes = bar.update if bar is not None else None
+    try:
+        if args.dry_run:
+            reports = resharder.dry_run()
+            out: dict[str, Any] = {"dry_run": True}
+        else:
+            resharder.dest = open_storage(args.out, args.out_storage_options
+                                          or args.storage_options)
+            training = replanned.training if replanned is not None else dict(manifest.training)
+            new, reports = resharder.run(training)
+            out = {"dry_run": False, "url": f"{resharder.dest.url}/step-{new.step:09d}",
+                   "attempt": new.attempt, "nbytes": new.nbytes}
+    finally:
+        if bar is not None:
+            bar.close()
+    out.update(step=step, world_size=world, tp=spec.tp, pp=spec.pp, zero=spec.zero.stage,
+               ranks=[r.to_json() for r in reports])
+    if replanned is not None:
+        out["training_spec"] = replanned.training["spec"]
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        _print_reports(reports, args.dry_run)
+        if not args.dry_run:
+            print(f"committed {out['url']}: world {world} (tp {spec.tp}, pp {spec.pp}, "
+                  f"dp {assignment.dp}, ZeRO {spec.zero.stage}), {_human(out['nbytes'])}")
+    return 0
+
+
+def _print_reports(reports: list[RankReport], dry_run: bool) -> None:
+    rows = [[r.rank, r.pieces, _human(r.hold_bytes), _human(r.write_bytes), _human(r.read_bytes),
+             r.ranges, _human(r.peak_bytes), r.restart_ranges] for r in reports]
+    print(_table(rows, ["rank", "pieces", "holds", "writes", "reads", "ranges", "peak memory",
+                        "ranges from the original"]))
+    print(f"total: {'would read' if dry_run else 'read'} "
+          f"{_human(sum(r.read_bytes for r in reports))} in "
+          f"{sum(r.ranges for r in reports)} ranges, "
+          f"{'would write' if dry_run else 'wrote'} {_human(sum(r.write_bytes for r in reports))}"
+          f"; a restart on the original reads {sum(r.restart_ranges for r in reports)} ranges")

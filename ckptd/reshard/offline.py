@@ -1,0 +1,256 @@
+"""The offline reshard: rewrite a committed checkpoint so that its data is packed per rank of a
+planned target world (``ckptd reshard CKPT --to-world N``).
+
+Which boxes each target rank holds comes from a layout (:mod:`ckptd.reshard.targets`), not from
+model code. Each target rank's pieces are written into its own data files, back to back in
+(name, box) order, which is also the order its load reads them: a restart then reads one
+contiguous range per file instead of a slice of every saved chunk. A box held by several target
+ranks is written by each of them when it is small (``replicate_small_bytes``: norms, biases) and
+once, by the least-loaded holder, otherwise.
+
+Work and memory: target ranks are processed by ``workers`` threads; each fills an arena of at
+most ``budget / (2 * workers)`` bytes (a rank with more data takes several rounds, one file
+each) by reading the source through the load planner (coalesced ranges, parallel reads, frames
+verified) under a shared read budget of ``budget / 2``, then writes it with
+:class:`ckptd.writer.pipeline.RankWriter` (a fixed attempt id; its partial manifest per rank).
+The commit merges the partials (coverage and agreement checks of ``manifest.merge``), keeps the
+per-rank copies of replicated boxes, carries the source's values, per-rank values and training
+metadata (re-planned for the new world, :mod:`ckptd.reshard.training`), and writes
+``manifest.json`` atomically, then ``latest``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd.errors import CkptdError
+from ckptd.manifest import Manifest, TensorEntry, merge
+from ckptd.manifest import layout as L
+from ckptd.reshard import direct
+from ckptd.reshard.load import gap_bytes, make_plan
+from ckptd.reshard.reader import Buffers, ReadStats
+from ckptd.reshard.targets import Assignment, Target
+from ckptd.sharding import Piece
+from ckptd.storage import Storage
+from ckptd.writer import codecs
+from ckptd.writer.pipeline import RankWriter, Share, plan_rounds
+from ckptd.writer.staging import StagingPool
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    holds: list[Target]
+    writes: list[Target]
+
+    @property
+    def hold_bytes(self) -> int:
+        return sum(t.nbytes for t in self.holds)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(t.nbytes for t in self.writes)
+
+
+@dataclass
+class RankReport:
+    rank: int
+    pieces: int
+    hold_bytes: int
+    write_bytes: int
+    read_bytes: int = 0  # stored bytes the reshard reads from the source for this rank
+    ranges: int = 0  # ... in this many requests
+    peak_bytes: int = 0  # host memory for this rank's arena and its reads
+    restart_ranges: int = 0  # requests a restart on the original checkpoint would make
+    restart_bytes: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def split_writers(assignment: Assignment, replicate_small: int) -> list[RankPlan]:
+    """Who writes what: unique boxes by their holder; replicated ones (the same box on several
+    ranks) by every holder when small, else by the holder with the fewest bytes so far."""
+    holders: dict[tuple[str, Any], list[int]] = {}
+    target: dict[tuple[str, Any], Target] = {}
+    for r, targets in enumerate(assignment.ranks):
+        for t in targets:
+            k = (t.name, t.box)
+            rs = holders.setdefault(k, [])
+            if not rs or rs[-1] != r:
+                rs.append(r)
+            target[k] = t
+    writes: list[list[Target]] = [[] for _ in assignment.ranks]
+    load = [0] * len(assignment.ranks)
+    shared = []
+    for k, rs in holders.items():
+        t = target[k]
+        if len(rs) == 1 or t.nbytes <= replicate_small:
+            for r in rs:
+                writes[r].append(t)
+                load[r] += t.nbytes
+        else:
+            shared.append(k)
+    for k in sorted(shared, key=lambda k: (-target[k].nbytes, k[0], k[1].offsets)):
+        owner = min(holders[k], key=lambda r: (load[r], r))
+        writes[owner].append(target[k])
+        load[owner] += target[k].nbytes
+    return [RankPlan(r, holds, writes[r]) for r, holds in enumerate(assignment.ranks)]
+
+
+def meta_pieces(targets: list[Target]) -> list[Piece]:
+    return [Piece(t.name, t.shape, t.dtype, t.box, torch.empty(t.box.sizes, dtype=t.dtype,
+                                                               device="meta"))
+            for t in targets]
+
+
+def output_codec(manifest: Manifest, compression: str | None) -> tuple[str, int]:
+    """``"same"``/None: zstd (byte planes, level 3) if the source has compressed chunks."""
+    if compression in (None, "same"):
+        used = {c.codec for e in manifest.tensors.values() for c in e.chunks}
+        return (codecs.ZSTD_PLANES, 3) if used - {codecs.RAW} else (codecs.RAW, 0)
+    return codecs.parse_compression(compression)
+
+
+@dataclass
+class Resharder:
+    source: Storage
+    step: int
+    manifest: Manifest
+    assignment: Assignment
+    budget: int
+    threads: int
+    replicate_small: int
+    dest: Storage | None = None
+    compression: str | None = None
+    on_bytes: Callable[[int], None] | None = None
+    plans: list[RankPlan] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plans = split_writers(self.assignment, self.replicate_small)
+        self.workers = max(1, min(self.threads, len(self.plans)))
+        self.arena_budget = max(1, self.budget // (2 * self.workers))
+        self.src_dir = L.step_dir(self.step)
+
+    # ---------------------------------------------------------------- dry run
+    def dry_run(self) -> list[RankReport]:
+        out = []
+        reads = Buffers(self.budget // 2)
+        for p in self.plans:
+            rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
+            rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget)
+            for rnd in rounds:
+                plan = make_plan(self.source, self.manifest, _slot_pieces(rnd.plans), None,
+                                 reads)
+                rep.read_bytes += plan.stored_bytes
+                rep.ranges += len(plan.ranges)
+                costs = sorted((reads.cost(r) for r in plan.ranges), reverse=True)
+                in_flight = min(sum(costs[: self.threads]), reads.limit)
+                rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + in_flight)
+            restart = make_plan(self.source, self.manifest, meta_pieces(p.holds), p.rank,
+                                Buffers(self.budget))
+            rep.restart_ranges, rep.restart_bytes = len(restart.ranges), restart.stored_bytes
+            out.append(rep)
+            if self.on_bytes:
+                self.on_bytes(p.write_bytes)
+        return out
+
+    # ---------------------------------------------------------------- run
+    def run(self, training: dict[str, Any]) -> tuple[Manifest, list[RankReport]]:
+        dest = self.dest
+        if dest is None:
+            raise CkptdError("reshard: no destination")
+        if dest.exists(L.manifest_path(self.step)):
+            raise CkptdError(f"{dest.url}/{L.step_dir(self.step)}: already committed; choose "
+                             "another --out")
+        attempt = f"reshard{uuid.uuid4().hex[:8]}-000001"
+        codec, level = output_codec(self.manifest, self.compression)
+        read_budget = Buffers(self.budget // 2)
+        partials: list[Manifest | None] = [None] * len(self.plans)
+        reports: list[RankReport | None] = [None] * len(self.plans)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
+                ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
+            local = threading.local()
+
+            def one(p: RankPlan) -> None:
+                if not hasattr(local, "writer"):
+                    local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
+                partials[p.rank], reports[p.rank] = self._write_rank(
+                    p, local.writer, attempt, io, read_budget)
+
+            try:
+                for f in [workers.submit(one, p) for p in self.plans]:
+                    f.result()
+            except BaseException:
+                for path in (f"{L.step_dir(self.step)}/data/{attempt}",
+                             L.partials_dir(self.step, attempt)):
+                    try:  # best effort: an abandoned attempt is also what `ckptd gc` removes
+                        dest.remove(path)
+                    except OSError:
+                        pass
+                raise
+        merged = merge([p for p in partials if p is not None])
+        tensors = {}
+        for name, entry in merged.tensors.items():  # keep every rank's copy (merge keeps one)
+            chunks = tuple(c for p in partials if p is not None and name in p.tensors
+                           for c in p.tensors[name].chunks)
+            tensors[name] = TensorEntry(entry.dtype, entry.shape, chunks)
+        m = self.manifest
+        out = Manifest(m.step, attempt, len(self.plans), time.time(), tensors, dict(m.values),
+                       {k: dict(v) for k, v in m.locals.items()}, training)
+        dest.put_atomic(L.manifest_path(m.step), out.encode())
+        dest.put_atomic(L.LATEST, L.step_dir(m.step).encode())
+        return out, [r for r in reports if r is not None]
+
+    def _write_rank(self, p: RankPlan, writer: RankWriter, attempt: str, io: ThreadPoolExecutor,
+                    read_budget: Buffers) -> tuple[Manifest, RankReport]:
+        declared = {t.name: TensorEntry(t.dtype, t.shape) for t in p.holds}
+        if p.rank == 0:  # every tensor declared somewhere, even one with no elements
+            declared = {n: TensorEntry(e.dtype, e.shape) for n, e in self.manifest.tensors.items()}
+        share = Share(self.step, attempt, p.rank, len(self.plans), declared,
+                      values=dict(self.manifest.values) if p.rank == 0 else {})
+        rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
+        rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget)
+        chunks = []
+        index = 0
+        for rnd in rounds:
+            arena = writer.pool.acquire(rnd.nbytes)
+            try:
+                pieces = _slot_pieces(rnd.plans, arena.buffer)
+                plan = make_plan(self.source, self.manifest, pieces, None, read_budget)
+                stats = ReadStats()
+                before = read_budget.peak
+                direct.fill(self.source, self.src_dir, self.manifest, plan.ranges, None, io,
+                            read_budget, gap_bytes(self.source), read_budget.unit, stats)
+                rep.read_bytes += stats.stored_bytes
+                rep.ranges += stats.ranges
+                rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + max(before, read_budget.peak))
+                chunks += writer.write_round(share, arena, rnd, index)
+            finally:
+                writer.pool.release(arena)
+            index += len(rnd.plans)
+            if self.on_bytes:
+                self.on_bytes(sum(s.nbytes for fp in rnd.plans for s in fp.slots))
+        return writer.write_partial(share, chunks), rep
+
+
+def _slot_pieces(plans: list[Any], arena: torch.Tensor | None = None) -> list[Piece]:
+    """The pieces of a round's file plans, viewing the arena at their slots (meta without one)."""
+    out = []
+    for fp in plans:
+        for s in fp.slots:
+            q = s.piece
+            if arena is None:
+                view = q.view
+            else:
+                view = arena[s.offset : s.offset + s.nbytes].view(q.dtype).view(q.box.sizes)
+            out.append(Piece(q.name, q.global_shape, q.dtype, q.box, view))
+    return out
