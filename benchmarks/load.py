@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import os
@@ -169,6 +170,10 @@ def _load_rank(rank: int, world: int, method: str, path: str, specs: list[Any], 
         tree, locals_ = destination(specs, rank, world, method, split_dim)
     needed = sum(t.numel() * t.element_size() for t in locals_)
     ck = ckptd.Checkpointer(path) if method == "ckptd" else None  # set up once, as in training
+    # a fresh process still owes the cyclic GC a full pass over torch's objects (~0.1 s, due at
+    # the first allocation-heavy call, e.g. json.loads of the manifest); a training process has
+    # paid it long before it loads
+    gc.collect()
     dist.barrier()
     if rank == 0:
         drop_caches()
@@ -427,7 +432,10 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _profile(run: dict[str, Any]) -> str:
     """Per-phase seconds of the slowest rank."""
     slow = max(run["ranks"], key=lambda r: r["time_s"])
-    return " ".join(f"{k} {v:.2f}" for k, v in slow.get("seconds", {}).items())
+    phases = slow.get("seconds", {})
+    other = slow["time_s"] - sum(phases.values())  # Checkpointer.load around load_into
+    return " ".join(f"{k} {v:.2f}" for k, v in phases.items() if v >= 0.005) + \
+        f" other (manifest, describe) {other:.2f}"
 
 
 def report(res: dict[str, Any]) -> str:
@@ -464,7 +472,8 @@ def report(res: dict[str, Any]) -> str:
                   f"{'' if None in ranges else max(ranges)} |\n")
         if method != "dcp":
             profiles.append(f"{key}: {_profile(b)}")
-    out.write("\nprofile (seconds per phase, slowest rank): " + "; ".join(profiles) + "\n")
+    out.write("\nprofile (seconds per phase, slowest rank):\n\n" + "".join(
+        f"- {p}\n" for p in profiles))
     checks = []
     for key, runs in loads.items():
         method, world = key.split("/")

@@ -196,19 +196,21 @@ def load_into(
     mine = sharing.to_read(pieces) if sharing is not None else pieces
     clock("check")
     buffers = Buffers(config.get().load_budget_bytes)
-    plan = make_plan(storage, manifest, mine, rank, buffers)
-    stats.needed_bytes, stats.planned_ranges = plan.needed_bytes, len(plan.ranges)
-    stats.runs = plan.runs(gap_bytes(storage))
     stats.budget_bytes = buffers.limit
-    kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
-                       remote="://" in storage.url)
-    clock("plan")
+    plan = LoadPlan()
+    kept: set[int] = set()
     error: BaseException | None = None
     held: dict[int, Fetched] = {}
-    try:
+    try:  # every rank must reach _agree, or its peers hang: errors wait until then
+        plan = make_plan(storage, manifest, mine, rank, buffers)
+        stats.needed_bytes, stats.planned_ranges = plan.needed_bytes, len(plan.ranges)
+        stats.runs = plan.runs(gap_bytes(storage))
+        kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
+                           remote="://" in storage.url)
+        clock("plan")
         held = run_ranges(storage, step_dir, plan.ranges, pool, buffers, hold=kept,
                           stats=stats.reads)
-    except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or peers hang
+    except Exception as e:  # noqa: BLE001 - raised by _agree, on every rank
         error = e
     clock("read")
     try:

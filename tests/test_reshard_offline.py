@@ -1,0 +1,241 @@
+"""``ckptd reshard`` through every pair of the reshard matrix: each layout of
+``transformer_state`` is saved once; for each target layout, every saved checkpoint is
+rewritten for the target world with the target's layout file (``test_layouts.layout_doc``), then
+one multi-process run loads all of them on the target ranks: bit-exact, padding untouched,
+values and per-rank values carried — and each rank reads its data in one range per file it
+owns, since the layout file describes exactly the pieces the target state asks for.
+
+Also: the dry run's report, the training metadata re-planned with ``elastic.replan``, and an
+offline reshard that holds its memory budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import tracemalloc
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import multirank
+import pytest
+import torch
+import transformer_state as ts
+from test_layouts import layout_text
+from test_reshard_matrix import LAYOUT_NAMES, LOAD_SETTINGS, SAVE_SETTINGS, load_problems
+from transformer_state import LAYOUTS, build_state
+
+import ckptd
+import ckptd.config
+from ckptd.cli import main
+from ckptd.manifest import decode
+from ckptd.manifest import layout as L
+from ckptd.reshard.load import last_stats
+from ckptd.storage import open_storage
+
+RUN_TIMEOUT_S = 150.0
+PG_TIMEOUT_S = 30.0
+# rewritten with --compression zstd into tmp_path (the others: raw, into tmpfs when there is one)
+COMPRESSED_TARGETS = {"dp2_zero1", "tp2_pp2", "dtensor_dp3"}
+
+
+def _save_in_process(layout_name: str, root: str) -> None:
+    """One process stands for every rank (saving needs no collectives)."""
+    layout = LAYOUTS[layout_name]
+    kwargs, tunables = SAVE_SETTINGS.get(layout_name, ({}, {}))
+    ref = ts.reference()
+    with ckptd.config.override(**tunables):
+        ckpts = [ckptd.Checkpointer(root, rank=r, world_size=layout.world_size, run_id="sim",
+                                    **kwargs) for r in range(layout.world_size)]
+        try:
+            handles = [c.save_async(build_state(layout, r, ref).state, step=ts.STEP)
+                       for r, c in enumerate(ckpts)]
+            for h in handles:
+                h.result()
+        finally:
+            for c in ckpts:
+                c.close()
+
+
+def _save_worker(rank: int, world: int, layout_name: str, root: str) -> None:
+    kwargs, tunables = SAVE_SETTINGS.get(layout_name, ({}, {}))
+    with ckptd.config.override(**tunables), ckptd.Checkpointer(root, **kwargs) as ck:
+        ck.save(build_state(LAYOUTS[layout_name], rank, ts.reference()).state, step=ts.STEP)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("sources")
+    out = {}
+    for name in LAYOUT_NAMES:
+        root = str(base / name)
+        if LAYOUTS[name].dtensor:  # DTensors need a process group
+            multirank.run(_save_worker, LAYOUTS[name].world_size, name, root,
+                          timeout=RUN_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+        else:
+            _save_in_process(name, root)
+        out[name] = root
+    return out
+
+
+def _fast_dir(fallback: Path) -> Path:
+    """A fresh directory on tmpfs when there is one (fsync costs nothing there)."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="ckptd-reshard-", dir="/dev/shm"))
+    return fallback
+
+
+def _own_files(root: str, rank: int) -> int:
+    m = decode(open_storage(root).read_bytes(L.manifest_path(ts.STEP)), root)
+    return len({c.file for e in m.tensors.values() for c in e.chunks if c.rank == rank})
+
+
+def _load_worker(rank: int, world: int, target: str, roots: list[tuple[str, str]],
+                 ) -> dict[str, list[str]]:
+    layout = LAYOUTS[target]
+    expected = build_state(layout, rank, ts.reference(), padding=ts.SENTINEL)
+    out: dict[str, list[str]] = {}
+    for source, root in roots:
+        dst = build_state(layout, rank, None)
+        with (ckptd.config.override(**LOAD_SETTINGS.get(target, {})),
+              ckptd.Checkpointer(root, rank=rank, world_size=world) as ck):
+            result = ck.load(dst.state, strict=True)
+        problems = load_problems(source, layout, rank, dst, expected, result)
+        stats = last_stats()
+        files = _own_files(root, rank)
+        if stats is None or stats.runs != files:
+            got = None if stats is None else stats.runs
+            problems.append(f"rank {rank}: reads {got} contiguous runs, owns {files} files")
+        out[source] = problems
+    return out
+
+
+@pytest.mark.parametrize("target", LAYOUT_NAMES)
+def test_every_layout_resharded_offline_loads_bit_exact_reading_one_run_per_file(
+    target: str, sources: dict[str, str], tmp_path: Path
+) -> None:
+    lay = LAYOUTS[target]
+    fmt = "json" if LAYOUT_NAMES.index(target) % 2 else "toml"
+    layout_file = tmp_path / f"{target}.{fmt}"
+    layout_file.write_text(layout_text(lay, fmt))
+    extra = ["--compression", "zstd"] if target in COMPRESSED_TARGETS else []
+    roots = []
+    scratch = _fast_dir(tmp_path)
+    for source in LAYOUT_NAMES:
+        # mostly into tmpfs (its fsync is free: 256 reshards stay fast), some into tmp_path
+        out = str((tmp_path if target in COMPRESSED_TARGETS else scratch) / source)
+        rc = main(["reshard", sources[source], "--to-world", str(lay.world_size), "--layout",
+                   str(layout_file), "--out", out, "--threads", "2", *extra])
+        assert rc == 0, f"{source} -> {target}: reshard exited {rc}"
+        roots.append((source, out))
+    try:
+        per_rank = multirank.run(_load_worker, lay.world_size, target, roots,
+                                 timeout=RUN_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+    finally:
+        if scratch != tmp_path:
+            shutil.rmtree(scratch, ignore_errors=True)
+    problems: dict[str, list[str]] = defaultdict(list)
+    for results in per_rank:
+        for source, lines in results.items():
+            problems[source] += lines
+    bad = [f"{s} -> {target}: {line}" for s, lines in problems.items() for line in lines]
+    assert bad == [], f"{len(bad)} problems:\n" + "\n".join(bad[:40])
+
+
+def test_dry_run_reports_per_rank_reads_and_writes_nothing(sources: dict[str, str],
+                                                           tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "never"
+    assert main(["reshard", sources["tp2_dp2_zero1"], "--to-world", "8", "--tp", "2", "--pp",
+                 "2", "--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ranges from the original" in text and "would read" in text
+    assert not out.exists()
+    assert main(["reshard", sources["single"], "--to-world", "3", "--dry-run", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2]
+    assert all(r["read_bytes"] >= r["write_bytes"] > 0 and r["peak_bytes"] > 0
+               for r in report["ranks"])
+
+
+def test_training_spec_is_replanned_for_the_new_world_with_a_history_entry(
+    tmp_path: Path, capsys: Any
+) -> None:
+    from ckptd import elastic
+
+    spec = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=4,
+                                gradient_accumulation_steps=3, sequence_length=128)
+    root, dest = str(tmp_path / "src"), str(tmp_path / "dst")
+    with ckptd.Checkpointer(root) as ck:
+        ck.save({"model": {"w": torch.arange(24.0).reshape(6, 4)}}, step=5,
+                training={"spec": spec.to_json(), "history": [{"reason": "start"}]})
+    assert main(["reshard", root, "--to-world", "6", "--out", dest]) == 0
+    printed = capsys.readouterr().out
+    assert "| world | micro | accum |" in printed and "| 6 |" in printed
+    with ckptd.Checkpointer(dest, world_size=1, rank=0) as ck:
+        dst = {"model": {"w": torch.zeros(6, 4)}}
+        training = ck.load(dst).training
+    assert torch.equal(dst["model"]["w"], torch.arange(24.0).reshape(6, 4))
+    new = elastic.TrainingSpec.from_json(training["spec"])
+    assert new.world_size == 6 and new.global_batch_size == 48  # 6 x 4 x 2: 48 = 4 x 4 x 3
+    assert [h["reason"] for h in training["history"]] == ["start", "offline reshard"]
+    assert training["history"][-1]["previous_world_size"] == 4
+
+
+def test_offline_reshard_holds_its_memory_budget(tmp_path: Path) -> None:
+    """4 MiB of tensors, a 1 MiB budget: the Python heap (read buffers, decoded frames) stays
+    within the budget; arenas are torch memory, bounded by construction (budget / 2)."""
+    root, dest = str(tmp_path / "src"), str(tmp_path / "dst")
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1024, 512, generator=g), "v": torch.randn(512, 512, generator=g)}
+    with ckptd.config.override(frame_bytes=64 << 10), ckptd.Checkpointer(
+            root, compression="zstd") as ck:
+        ck.save(state, step=1)
+    budget = 1 << 20
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        assert main(["reshard", root, "--to-world", "3", "--out", dest, "--budget", str(budget),
+                     "--threads", "2", "--compression", "none"]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < budget + (256 << 10), f"peak traced memory {peak} with a budget of {budget}"
+    with ckptd.Checkpointer(dest, world_size=1, rank=0) as ck:
+        dst = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.load(dst)
+    assert all(torch.equal(dst[k], state[k]) for k in state)
+
+
+def test_source_and_destination_may_be_different_urls(tmp_path: Path) -> None:
+    """memory:// (an fsspec backend: ranged reads through Storage.read_ranges) -> local."""
+    src, dest = "memory://ckptd-reshard-src", str(tmp_path / "dst")
+    state = {"w": torch.arange(60.0).reshape(12, 5), "n": torch.ones(3)}
+    try:
+        with ckptd.Checkpointer(src) as ck:
+            ck.save(state, step=3)
+        assert main(["reshard", src, "--to-world", "2", "--out", dest]) == 0
+    finally:
+        open_storage(src).remove("")
+    with ckptd.Checkpointer(dest, rank=1, world_size=2, run_id="t") as ck:
+        dst = {"w": ckptd.Shard(torch.zeros(6, 5), (12, 5), (6, 0)), "n": torch.zeros(3)}
+        ck.load(dst, strict=False)
+    assert torch.equal(dst["w"].local, state["w"][6:]) and torch.equal(dst["n"], state["n"])
+
+
+def test_a_bad_layout_fails_the_command_with_the_tensor_and_the_rule(
+    sources: dict[str, str], tmp_path: Path, capsys: Any
+) -> None:
+    layout = tmp_path / "tp3.toml"
+    layout.write_text("[parallel]\ntp = 3\n[[rule]]\nmatch = '*.attn.o.weight'\ntp_dim = 1\n"
+                      "[[rule]]\nmatch = '*'\nreplicated = true\n")
+    out = tmp_path / "never"
+    assert main(["reshard", sources["dp2"], "--to-world", "6", "--layout", str(layout),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckptd reshard: error: layout tp3.toml: model/layers.0.attn.o.weight "
+                          "[8, 8]: rule 1 (match '*.attn.o.weight', tp_dim 1): dim 1 of size 8 "
+                          "does not divide by tp 3")
+    assert not out.exists()
