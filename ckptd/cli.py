@@ -12,39 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import config
-from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import Manifest, decode
+from ckptd.errors import CkptdError
+from ckptd.manifest import decode
 from ckptd.manifest import layout as L
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import open_storage
 from ckptd.writer import commit as C
 
-
-def split_ckpt(url: str) -> tuple[str, int | None]:
-    """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the latest)."""
-    head, _, tail = url.rstrip("/").rpartition("/")
-    step = L.parse_step_dir(tail)
-    if step is not None and head:
-        return head, step
-    return url.rstrip("/") or url, None
-
-
-def open_ckpt(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-) -> tuple[Storage, int, Manifest]:
-    root, step = split_ckpt(url)
-    storage = open_storage(root, storage_options)
-    if step is None:
-        steps = C.committed_steps(storage)
-        if not steps:
-            raise CheckpointNotFound(f"{root}: no committed checkpoint")
-        step = steps[-1]
-    path = L.manifest_path(step)
-    try:
-        raw = storage.read_bytes(path)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
-    return storage, step, decode(raw, f"{storage.url}/{path}")
+split_ckpt = C.split_step_url
+open_ckpt = C.open_step
 
 
 def _human(n: float) -> str:

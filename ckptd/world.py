@@ -10,9 +10,20 @@ from ckptd.errors import CkptdError
 
 
 def dist_or_none() -> Any:
+    """``torch.distributed`` when a process group is initialised, else None."""
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (foreground only: a collective); ``[obj]`` alone."""
+    dist = dist_or_none()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -42,20 +42,15 @@ from ckptd.elastic.history import (
 )
 from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec, replan
 from ckptd.sharding import describe
+from ckptd.world import dist_or_none
 from ckptd.writer import codecs
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 
 log = logging.getLogger("ckptd.elastic")
 
 
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def _from_rank0(value: Any) -> Any:
-    dist = _dist()
+    dist = dist_or_none()
     if dist is None or dist.get_world_size() == 1:
         return value
     box = [value if dist.get_rank() == 0 else None]
@@ -65,7 +60,7 @@ def _from_rank0(value: Any) -> Any:
 
 def _agree(committed: bool, projected_s: float) -> tuple[bool, float]:
     """(every rank has the step committed, the slowest rank's projection)."""
-    dist = _dist()
+    dist = dist_or_none()
     if dist is None or dist.get_world_size() == 1:
         return committed, projected_s
     out: list[Any] = [None] * dist.get_world_size()

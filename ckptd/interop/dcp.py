@@ -50,6 +50,7 @@ from ckptd.interop.dcp_format import (
 from ckptd.regions import Box, copy_region
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
 from ckptd.storage import Storage, open_storage
+from ckptd.world import dist_or_none, gather_object
 
 __all__ = ["is_dcp", "load_dcp", "load_from_dcp"]
 
@@ -74,24 +75,9 @@ class _Plan:
         return list(seen.values())
 
 
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _gather(obj: Any) -> list[Any]:
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _agree(error: BaseException | None) -> None:
     """Raise on every rank if any rank failed, with the first failing rank's error class."""
-    reports = _gather(None if error is None else (type(error).__name__, str(error)))
+    reports = gather_object(None if error is None else (type(error).__name__, str(error)))
     if error is not None:
         raise error
     for rank, report in enumerate(reports):
@@ -199,7 +185,7 @@ def _pick(obj: Any, sub: list[str], key: str) -> Any:
 
 
 def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    dist = _dist()
+    dist = dist_or_none()
     if rank is None:
         rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
     if world_size is None:
@@ -246,7 +232,7 @@ def _check(
     except Exception as e:  # noqa: BLE001 - every rank must reach the gather
         error = e
     failure = None if error is None else (type(error).__name__, str(error))
-    gathered = _gather((asked, problems, failure))
+    gathered = gather_object((asked, problems, failure))
     if error is not None:
         raise error
     for r, (_, _, f) in enumerate(gathered):

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from ckptd import config
-from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import Manifest, decode
+from ckptd.errors import CkptdError
+from ckptd.manifest import Manifest
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.reshard.load import load_into
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import Storage
 from ckptd.writer import commit as C
 
 # Bytes of a tensor read and written at a time by the exporters (whole rows). An export holds
@@ -52,21 +52,7 @@ class Checkpoint:
 
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint:
     """``ROOT/step-000000042`` (that step) or ``ROOT`` (its newest committed step)."""
-    head, _, tail = url.rstrip("/").rpartition("/")
-    step = L.parse_step_dir(tail)
-    root = head if step is not None and head else url.rstrip("/") or url
-    storage = open_storage(root, storage_options)
-    if step is None:
-        steps = C.committed_steps(storage)
-        if not steps:
-            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
-        step = steps[-1]
-    path = L.manifest_path(step)
-    try:
-        raw = storage.read_bytes(path)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
-    return Checkpoint(storage, step, decode(raw, f"{storage.url}/{path}"))
+    return Checkpoint(*C.open_step(url, storage_options))
 
 
 def row_slabs(shape: tuple[int, ...], itemsize: int, slab_bytes: int = SLAB_BYTES) -> Iterator[Box]:

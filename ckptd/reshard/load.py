@@ -26,7 +26,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ from ckptd.reshard.plan import LoadPlan, Range, plan_load, source_view
 from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, run_ranges
 from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
 from ckptd.storage import Storage
+from ckptd.world import dist_or_none, gather_object
 
 
 @dataclass
@@ -64,21 +64,6 @@ _last = threading.local()
 def last_stats() -> LoadStats | None:
     """The statistics of the last load in this thread."""
     return getattr(_last, "stats", None)
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _gather(obj: Any) -> list[Any]:
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _summary(problems: list[str], limit: int = 8) -> str:
@@ -110,7 +95,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
             if key not in manifest.values:
                 problems.append(f"{key}: value missing from the checkpoint")
     asked = {p.name for p in described.pieces if not p.name.startswith(f"{LOCAL_PREFIX}/")}
-    gathered = _gather((sorted(asked), problems))
+    gathered = gather_object((sorted(asked), problems))
     problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
                 for r, (_, probs) in enumerate(gathered) for msg in probs]
     if strict and (len(gathered) > 1 or world_size == 1):
@@ -167,7 +152,7 @@ def copy_range(rng: Range, data: Data) -> None:
 
 
 def _agree(error: BaseException | None) -> None:
-    messages = _gather(None if error is None else str(error))
+    messages = gather_object(None if error is None else str(error))
     if error is not None:
         raise error
     for r, m in enumerate(messages):
@@ -191,7 +176,7 @@ def load_into(
     _last.stats = stats
     clock = _Clock(stats.seconds)
     pieces = check(manifest, described, rank, strict, world_size)
-    dist = _dist()
+    dist = dist_or_none()
     sharing = read_once.plan_sharing(pieces, storage) if dist is not None else None
     mine = sharing.to_read(pieces) if sharing is not None else pieces
     clock("check")

@@ -21,12 +21,13 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptd import config, errors
-from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
+from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, merge
 from ckptd.manifest import layout as L
-from ckptd.storage import Storage
+from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import poll_interval
 
 _jitter = random.Random()
@@ -275,3 +276,33 @@ def collect_garbage(
     if abort is not None:
         report.aborted_uploads += int(abort("", min_age_s=min_age))
     return report
+
+
+def split_step_url(url: str) -> tuple[str, int | None]:
+    """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the newest committed)."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    step = L.parse_step_dir(tail)
+    if step is not None and head:
+        return head, step
+    return url.rstrip("/") or url, None
+
+
+def open_step(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, int, Manifest]:
+    """The storage, step and manifest of a committed checkpoint named by ``url`` (a step
+    directory, or a root meaning its newest committed step)."""
+    root, step = split_step_url(url)
+    storage = open_storage(root, storage_options)
+    if step is None:
+        steps = committed_steps(storage)
+        if not steps:
+            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
+        step = steps[-1]
+    path = L.manifest_path(step)
+    try:
+        raw = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
+    return storage, step, decode(raw, f"{storage.url}/{path}")
+
