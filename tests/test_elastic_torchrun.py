@@ -139,7 +139,9 @@ def test_three_agents_lose_one_then_gain_one_and_match_an_uninterrupted_run(
     stop = elastic_dir / "STOP"
     args = ["--ckpt", str(elastic_dir / "ckpt"), "--steps", "100000", "--stop-file", str(stop),
             *ARGS]
-    with Cluster(elastic_dir, args, script=TRAIN) as cluster:
+    # MAX = 3: the rounds of 3 close as soon as the third agent joins; the round of 2 closes
+    # after a last call long enough for both survivors' 1 s rendezvous polls under CI load
+    with Cluster(elastic_dir, args, script=TRAIN, max_nodes=3, last_call_s=5) as cluster:
         cluster.start_store()
         for _ in range(3):
             cluster.add_node()

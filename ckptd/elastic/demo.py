@@ -63,8 +63,18 @@ AGENT_ENV = {
     "PYTHONUNBUFFERED": "1",
     "LOGLEVEL": "INFO",
 }
-RDZV_CONF = ("is_host=0,join_timeout=120,last_call_timeout=1,close_timeout=10,"
-             "keep_alive_interval=1,keep_alive_max_attempt=3")
+# A waiting agent polls the rendezvous state once a second (torch's c10d backend sleeps 1 s
+# between polls), and a round that has MIN nodes closes ``last_call`` seconds after its latest
+# joiner. With a last call of 1 s, a survivor whose poll lands a moment late misses the round
+# and costs everyone a second restart (seen in CI: 3 -> 2, then 2 -> 2 without the slow node,
+# then 2 -> 3). 3 s leaves two polls of slack; a round that reaches MAX nodes closes at once.
+LAST_CALL_S = 3
+
+
+def rdzv_conf(last_call_s: int = LAST_CALL_S) -> str:
+    """The ``--rdzv-conf`` of every agent (see ``docs/elastic.md``, "Scale-up in place")."""
+    return (f"is_host=0,join_timeout=120,last_call_timeout={last_call_s},close_timeout=10,"
+            "keep_alive_interval=1,keep_alive_max_attempt=3")
 
 
 class DemoError(CkptdError, RuntimeError):
@@ -112,11 +122,14 @@ class Cluster:
     and kills what is left of them (agents, their workers) on :meth:`close`.
 
     ``train_args`` go to the training script; the events file is ``workdir/events.jsonl``.
+    ``max_nodes`` is torchrun's MAX (a round that reaches it closes at once), ``last_call_s``
+    the rendezvous' last call (see :data:`LAST_CALL_S`).
     """
 
     def __init__(self, workdir: Path, train_args: list[str], *, script: Path | None = None,
                  max_nodes: int = 4, nproc_per_node: int = 1, grace_s: float = 30.0,
-                 python: str = sys.executable, monitor_interval: float = 0.5) -> None:
+                 python: str = sys.executable, monitor_interval: float = 0.5,
+                 last_call_s: int = LAST_CALL_S) -> None:
         self.workdir = workdir
         self.events_path = workdir / "events.jsonl"
         self.script = script or default_script()
@@ -126,6 +139,7 @@ class Cluster:
         self.train_args, self.max_nodes, self.grace_s = train_args, max_nodes, grace_s
         self.nproc_per_node = nproc_per_node
         self.python, self.monitor_interval = python, monitor_interval
+        self.rdzv_conf = rdzv_conf(last_call_s)
         self.rdzv_id = f"ckptd-{uuid.uuid4().hex[:8]}"
         self.nodes: list[Node] = []
         self._seen: set[tuple[int, str]] = set()  # every descendant ever seen (pid, start)
@@ -156,7 +170,7 @@ class Cluster:
         cmd = [self.python, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
                f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
-               f"--rdzv-conf={RDZV_CONF}", "--local-addr=127.0.0.1", "--max-restarts=100",
+               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1", "--max-restarts=100",
                f"--monitor-interval={self.monitor_interval}", str(self.script),
                *self.train_args, "--events", str(self.events_path)]
         env = {**os.environ, **AGENT_ENV,

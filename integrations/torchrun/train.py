@@ -7,7 +7,7 @@ that world and loads into them (resharding), and continues from the consumed-sam
 
     torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:PORT --rdzv-id=run1 --max-restarts=100 \\
-        --rdzv-conf=is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3 \\
+        --rdzv-conf=is_host=0,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         integrations/torchrun/train.py --ckpt /shared/ckpts/run1 --steps 1000
 
 (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment; see docs/elastic.md).
