@@ -5,45 +5,41 @@ micro-batch size, the gradient-accumulation steps and the ZeRO stage so that the
 stays inside a tolerance band around the previous one and the per-GPU memory estimate fits a
 budget. It is a pure function of its arguments: no I/O, no torch, no global state.
 
-Memory model (per GPU, GiB = 2**30 bytes; ``P`` = number of parameters, ``W`` = world size)::
-
-    parameters   P * param_bytes                  / (W if zero_stage == 3 else 1)
-    gradients    P * grad_bytes                   / (W if zero_stage >= 2 else 1)
-    optimizer    P * optim_bytes * optim_slots    / (W if zero_stage >= 1 else 1)
-    activations  activation_constant * micro_batch * sequence_length
-                 * hidden_size * num_hidden_layers * dtype_bytes
-
-Defaults: bf16 weights (2), fp32 gradients (4), Adam's two fp32 moments (4 x 2), and 16 for the
-activation constant. ``state_gib`` is the sum of the first three terms, ``total_gib`` adds the
-activations. The search and its tie-breaks are described in :func:`replan` and in
-``docs/elastic_replan.md``.
+The settings are :mod:`ckptd.elastic.specs`, the per-GPU memory model (its terms, defaults and
+``state_gib``/``total_gib``) is :mod:`ckptd.elastic.memory`; both are re-exported here. The
+search and its tie-breaks are described in :func:`replan` and in ``docs/elastic_replan.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
-from typing import Any
 
+from ckptd.elastic.memory import (
+    ACTIVATION_CONSTANT,
+    GRAD_BYTES,
+    OPTIM_BYTES,
+    OPTIM_SLOTS,
+    PARAM_BYTES,
+    MemoryEstimate,
+    MemoryModel,
+    estimate_memory,
+)
+from ckptd.elastic.specs import (
+    InvalidSpec,
+    ModelSpec,
+    TrainingSpec,
+    check_zero_stage,
+    positive_int,
+)
 from ckptd.errors import CkptdError
 
-GIB = 1 << 30
-
-# Defaults of the memory model (bytes per parameter unless said otherwise).
-PARAM_BYTES = 2  # bf16 weights
-GRAD_BYTES = 4  # fp32 gradients
-OPTIM_BYTES = 4  # fp32 optimizer state ...
-OPTIM_SLOTS = 2  # ... two slots (Adam's first and second moments)
-ACTIVATION_CONSTANT = 16  # activation bytes per (token x hidden x layer x dtype byte)
-
-TRAINING_SPEC_VERSION = 1
-
-
-class InvalidSpec(CkptdError, ValueError):
-    """An argument of the elastic planner is out of range (a size < 1, an unknown ZeRO stage)."""
+__all__ = [  # the specs and the memory model are re-exported: this is the planner's front door
+    "InvalidSpec", "MemoryEstimate", "ModelSpec", "NoFeasiblePlan", "Plan", "TrainingSpec",
+    "batch_band", "estimate_memory", "planner", "replan",
+]
 
 
 class NoFeasiblePlan(CkptdError, ValueError):
@@ -82,109 +78,6 @@ class NoFeasiblePlan(CkptdError, ValueError):
         self.world_above = world_above
 
 
-def _positive_int(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidSpec(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
-def _check_zero_stage(owner: str, value: object) -> None:
-    if isinstance(value, bool) or value not in (0, 1, 2, 3):
-        raise InvalidSpec(f"{owner}: ZeRO stage must be 0, 1, 2 or 3, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The sizes of a model that the memory model needs.
-
-    >>> ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4832071680, dtype_bytes=2)
-    """
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_parameters: int
-    dtype_bytes: int = 2  # bytes per activation element (bf16)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _positive_int("ModelSpec", f.name, getattr(self, f.name))
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainingSpec:
-    """Batch and sharding settings of one run; stored in checkpoint metadata.
-
-    >>> t = TrainingSpec(zero_stage=1, world_size=480, micro_batch_size=6,
-    ...                  gradient_accumulation_steps=1, sequence_length=4096)
-    >>> t.global_batch_size
-    2880
-    >>> TrainingSpec.from_json(t.to_json()) == t
-    True
-    """
-
-    zero_stage: int
-    world_size: int
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    sequence_length: int
-
-    def __post_init__(self) -> None:
-        _check_zero_stage("TrainingSpec", self.zero_stage)
-        for f in dataclasses.fields(self):
-            if f.name != "zero_stage":
-                _positive_int("TrainingSpec", f.name, getattr(self, f.name))
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step: world size x micro-batch x accumulation steps."""
-        return self.world_size * self.micro_batch_size * self.gradient_accumulation_steps
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict with a format version (``json.dumps`` it to get text)."""
-        record: dict[str, Any] = {"version": TRAINING_SPEC_VERSION}
-        record.update(dataclasses.asdict(self))
-        return record
-
-    @classmethod
-    def from_json(cls, record: Mapping[str, Any] | str) -> TrainingSpec:
-        """Decode what :meth:`to_json` produced (the dict, or its ``json.dumps`` text)."""
-        data: Any = json.loads(record) if isinstance(record, str) else record
-        if not isinstance(data, Mapping):
-            raise InvalidSpec(f"TrainingSpec record must be a JSON object, got {data!r}")
-        version = data.get("version")
-        if version != TRAINING_SPEC_VERSION:
-            raise InvalidSpec(
-                f"TrainingSpec record version {version!r} is not supported "
-                f"(expected {TRAINING_SPEC_VERSION})"
-            )
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in data]
-        if missing:
-            raise InvalidSpec(f"TrainingSpec record lacks {', '.join(missing)}: {dict(data)!r}")
-        return cls(**{n: data[n] for n in names})
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-GPU memory of one setting, in GiB (2**30 bytes).
-
-    ``state_gib`` = parameters + gradients + optimizer state; ``total_gib`` = state + activations.
-    """
-
-    parameters_gib: float
-    gradients_gib: float
-    optimizer_gib: float
-    activations_gib: float
-
-    @property
-    def state_gib(self) -> float:
-        return self.parameters_gib + self.gradients_gib + self.optimizer_gib
-
-    @property
-    def total_gib(self) -> float:
-        return self.state_gib + self.activations_gib
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The result of :func:`replan`.
@@ -195,65 +88,6 @@ class Plan:
     training: TrainingSpec
     deviation: float
     memory: MemoryEstimate
-
-
-@dataclasses.dataclass(frozen=True)
-class _MemoryModel:
-    param_bytes: float
-    grad_bytes: float
-    optim_bytes: float
-    optim_slots: float
-    activation_constant: float
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise InvalidSpec(f"memory parameter {f.name} must be a number >= 0, got {value!r}")
-
-    def state(self, model: ModelSpec, zero_stage: int, world_size: int) -> tuple[float, ...]:
-        p = model.num_parameters
-        params = p * self.param_bytes / (world_size if zero_stage >= 3 else 1)
-        grads = p * self.grad_bytes / (world_size if zero_stage >= 2 else 1)
-        optim = p * self.optim_bytes * self.optim_slots / (world_size if zero_stage >= 1 else 1)
-        return params / GIB, grads / GIB, optim / GIB
-
-    def activations(self, model: ModelSpec, micro_batch_size: int, sequence_length: int) -> float:
-        elements = micro_batch_size * sequence_length * model.hidden_size * model.num_hidden_layers
-        return self.activation_constant * elements * model.dtype_bytes / GIB
-
-    def estimate(
-        self, model: ModelSpec, zero_stage: int, world_size: int, micro: int, seq: int
-    ) -> MemoryEstimate:
-        params, grads, optim = self.state(model, zero_stage, world_size)
-        return MemoryEstimate(params, grads, optim, self.activations(model, micro, seq))
-
-
-def estimate_memory(
-    model: ModelSpec,
-    training: TrainingSpec,
-    *,
-    param_bytes: float = PARAM_BYTES,
-    grad_bytes: float = GRAD_BYTES,
-    optim_bytes: float = OPTIM_BYTES,
-    optim_slots: float = OPTIM_SLOTS,
-    activation_constant: float = ACTIVATION_CONSTANT,
-) -> MemoryEstimate:
-    """Per-GPU memory of ``training`` for ``model`` under the module's memory model.
-
-    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    >>> t = TrainingSpec(1, 480, 6, 1, 4096)
-    >>> round(estimate_memory(m, t).activations_gib, 3)   # 16*6*4096*4096*28*2 bytes
-    84.0
-    """
-    mm = _MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
-    return mm.estimate(
-        model,
-        training.zero_stage,
-        training.world_size,
-        training.micro_batch_size,
-        training.sequence_length,
-    )
 
 
 def batch_band(global_batch: int, tolerance: float) -> tuple[int, int]:
@@ -289,7 +123,7 @@ class _Search:
     mem_limit_gib: float
     max_micro_batch_size: int
     zero_stages: tuple[int, ...]
-    memory: _MemoryModel
+    memory: MemoryModel
 
     def best(self, world: int) -> _Candidate | None:
         """The chosen setting at ``world``, or None."""
@@ -378,13 +212,13 @@ def _make_search(
     mem_limit_gib: float,
     max_micro_batch_size: int,
     zero_stages: Iterable[int],
-    memory: _MemoryModel,
+    memory: MemoryModel,
 ) -> _Search:
     if not isinstance(model, ModelSpec):
         raise InvalidSpec(f"model must be a ModelSpec, got {model!r}")
     if not isinstance(previous, TrainingSpec):
         raise InvalidSpec(f"previous must be a TrainingSpec, got {previous!r}")
-    _positive_int("replan", "max_micro_batch_size", max_micro_batch_size)
+    positive_int("replan", "max_micro_batch_size", max_micro_batch_size)
     if isinstance(mem_limit_gib, bool) or not isinstance(mem_limit_gib, (int, float)):
         raise InvalidSpec(f"mem_limit_gib must be a number, got {mem_limit_gib!r}")
     if not mem_limit_gib > 0:
@@ -393,7 +227,7 @@ def _make_search(
     if not stages:
         raise InvalidSpec("zero_stages must name at least one ZeRO stage")
     for z in stages:
-        _check_zero_stage("zero_stages", z)
+        check_zero_stage("zero_stages", z)
     return _Search(
         model=model,
         previous=previous,
@@ -479,7 +313,7 @@ def planner(
     >>> [plan(w).training.global_batch_size for w in (8, 488)]
     [2880, 2928]
     """
-    memory = _MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
+    memory = MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
     search = _make_search(
         model,
         previous,
@@ -491,7 +325,7 @@ def planner(
     )
 
     def plan(world_size: int) -> Plan:
-        _positive_int("replan", "world_size", world_size)
+        positive_int("replan", "world_size", world_size)
         return _plan_or_raise(search, world_size, tolerance)
 
     return plan

@@ -1,0 +1,101 @@
+"""The settings the elastic planner reads and writes: the model's sizes (:class:`ModelSpec`) and
+one run's batch and sharding settings (:class:`TrainingSpec`, stored in checkpoint metadata as
+versioned JSON). Pure data with validation; no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ckptd.errors import CkptdError
+
+TRAINING_SPEC_VERSION = 1
+
+
+class InvalidSpec(CkptdError, ValueError):
+    """An argument of the elastic planner is out of range (a size < 1, an unknown ZeRO stage)."""
+
+
+def positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidSpec(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def check_zero_stage(owner: str, value: object) -> None:
+    if isinstance(value, bool) or value not in (0, 1, 2, 3):
+        raise InvalidSpec(f"{owner}: ZeRO stage must be 0, 1, 2 or 3, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The sizes of a model that the memory model needs.
+
+    >>> ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
+    ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4832071680, dtype_bytes=2)
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_parameters: int
+    dtype_bytes: int = 2  # bytes per activation element (bf16)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            positive_int("ModelSpec", f.name, getattr(self, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """Batch and sharding settings of one run; stored in checkpoint metadata.
+
+    >>> t = TrainingSpec(zero_stage=1, world_size=480, micro_batch_size=6,
+    ...                  gradient_accumulation_steps=1, sequence_length=4096)
+    >>> t.global_batch_size
+    2880
+    >>> TrainingSpec.from_json(t.to_json()) == t
+    True
+    """
+
+    zero_stage: int
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    sequence_length: int
+
+    def __post_init__(self) -> None:
+        check_zero_stage("TrainingSpec", self.zero_stage)
+        for f in dataclasses.fields(self):
+            if f.name != "zero_stage":
+                positive_int("TrainingSpec", f.name, getattr(self, f.name))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step: world size x micro-batch x accumulation steps."""
+        return self.world_size * self.micro_batch_size * self.gradient_accumulation_steps
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict with a format version (``json.dumps`` it to get text)."""
+        record: dict[str, Any] = {"version": TRAINING_SPEC_VERSION}
+        record.update(dataclasses.asdict(self))
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any] | str) -> TrainingSpec:
+        """Decode what :meth:`to_json` produced (the dict, or its ``json.dumps`` text)."""
+        data: Any = json.loads(record) if isinstance(record, str) else record
+        if not isinstance(data, Mapping):
+            raise InvalidSpec(f"TrainingSpec record must be a JSON object, got {data!r}")
+        version = data.get("version")
+        if version != TRAINING_SPEC_VERSION:
+            raise InvalidSpec(
+                f"TrainingSpec record version {version!r} is not supported "
+                f"(expected {TRAINING_SPEC_VERSION})"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise InvalidSpec(f"TrainingSpec record lacks {', '.join(missing)}: {dict(data)!r}")
+        return cls(**{n: data[n] for n in names})
