@@ -123,12 +123,15 @@ class Checkpointer:
         step: int | None = None,
         overlap: bool = False,
         training: dict[str, Any] | None = None,
+        urgent: bool = False,
     ) -> SaveHandle:
         """Stage ``state`` into host memory and write it in the background.
 
         Returns once the state is staged: the caller may then modify every tensor. With
         ``overlap=True`` it returns at once and stages in the background; call
-        ``handle.wait_staged()`` before modifying the state.
+        ``handle.wait_staged()`` before modifying the state. ``urgent=True`` (the preemption
+        save) writes this step uncompressed whatever ``compression`` says, through the same
+        staging buffers and I/O threads.
         """
         self._check_open()
         self._raise_pending()
@@ -170,7 +173,8 @@ class Checkpointer:
         handle = SaveHandle(step, f"{self.url}/{L.step_dir(step)}")
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
-        job = _Job(share, rounds, handle)
+        codec = codecs.RAW if urgent else self.auto.choose() if self.auto else self.codec
+        job = _Job(share, rounds, handle, codec)
         if len(rounds) > 1:
             log.warning(
                 "ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
@@ -181,7 +185,7 @@ class Checkpointer:
                 len(rounds),
             )
             try:
-                job.chunks = self._writer.write_rounds(share, rounds)
+                job.chunks = self._writer.write_rounds(share, rounds, codec=codec)
             except BaseException as e:
                 self._writer.discard(share, n_files(rounds))
                 handle._set_failed(e)
@@ -195,12 +199,10 @@ class Checkpointer:
                 arena_buf, plans = job.arena.buffer, rounds[0].plans
                 handle.on_wait_staged.append(lambda: check_unmodified(plans, arena_buf))
             if not overlap:
-                if self.auto is not None:
-                    self._writer.codec = self.auto.choose()
                 job.t_write = time.perf_counter()
                 try:
                     job.futures = self._writer.start_files(
-                        share, job.arena, rounds[0], 0, stage_first=True
+                        share, job.arena, rounds[0], 0, stage_first=True, codec=codec
                     )
                 except BaseException as e:
                     self.pool.release(job.arena)
@@ -228,10 +230,15 @@ class Checkpointer:
         return need
 
     def save(
-        self, state: Any, *, step: int | None = None, training: dict[str, Any] | None = None
+        self,
+        state: Any,
+        *,
+        step: int | None = None,
+        training: dict[str, Any] | None = None,
+        urgent: bool = False,
     ) -> SaveResult:
         """``save_async(...).result()``: returns once committed on every rank."""
-        return self.save_async(state, step=step, training=training).result()
+        return self.save_async(state, step=step, training=training, urgent=urgent).result()
 
     def _run(self, job: _Job) -> None:
         """The background part of a save: write (if not written yet), partial, commit."""
@@ -249,9 +256,9 @@ class Checkpointer:
                     if job.futures is not None:
                         job.chunks = gather(job.futures)
                     else:
-                        if self.auto is not None:
-                            self._writer.codec = self.auto.choose()
-                        job.chunks = self._writer.write_round(share, job.arena, job.rounds[0], 0)
+                        job.chunks = self._writer.write_round(
+                            share, job.arena, job.rounds[0], 0, job.codec
+                        )
                     if self.auto is not None:
                         self._observe(job, time.perf_counter() - min(t_write, job.t_write))
                 finally:
@@ -291,7 +298,7 @@ class Checkpointer:
     def _observe(self, job: _Job, seconds: float) -> None:
         """Feed compression="auto" with this save's write bandwidth and a compressor sample."""
         assert self.auto is not None and job.arena is not None
-        self.auto.observe_write(stored_bytes(job.chunks), seconds, self._writer.codec)
+        self.auto.observe_write(stored_bytes(job.chunks), seconds, job.codec)
         slots = [(s.piece.view, s.offset, s.nbytes) for p in job.rounds[0].plans for s in p.slots]
         best = largest_float_slot(slots)
         if best is not None and self.auto.zstd_bps is None:
@@ -447,6 +454,7 @@ class _Job:
     share: Share
     rounds: list[Round]
     handle: SaveHandle
+    codec: str  # this save's codec (compression="auto" chooses per save; urgent saves are raw)
     arena: Arena | None = None  # one round: staged in an arena, written in the background
     chunks: list[tuple[str, Chunk]] = field(default_factory=list)
     futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files already being written

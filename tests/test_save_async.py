@@ -165,6 +165,23 @@ def test_compression_auto_compresses_only_when_the_storage_is_slower_than_zstd(t
         assert torch.equal(dst["w"], state["w"])
 
 
+def test_an_urgent_save_is_raw_and_reuses_the_staging_buffers_of_a_compressed_run(tmp_path):
+    state = {"w": torch.randn(1 << 18).to(torch.bfloat16), "b": torch.arange(1000.0)}
+    with ckptd.Checkpointer(str(tmp_path / "c"), compression="zstd") as c:
+        c.save(state, step=1)
+        state["w"].mul_(2)
+        r = c.save(state, step=2, urgent=True)  # the preemption save
+        c.save(state, step=3)
+        codecs_used = [{ch.codec for t in c.read_manifest(s).tensors.values() for ch in t.chunks}
+                       for s in (1, 2, 3)]
+        assert codecs_used == [{"zstd-planes"}, {"raw"}, {"zstd-planes"}]
+        assert r.nbytes == 2 * (1 << 18) + 4 * 1000  # raw: every byte as in memory
+        assert c.pool.allocations == 1  # one staging arena for all three saves
+        dst = {"w": torch.zeros(1 << 18, dtype=torch.bfloat16), "b": torch.zeros(1000)}
+        c.load(dst, step=2)
+        assert torch.equal(dst["w"], state["w"]) and torch.equal(dst["b"], state["b"])
+
+
 def test_interpreter_exit_drains_in_flight_saves(tmp_path):
     import subprocess
     import sys

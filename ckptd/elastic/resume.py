@@ -43,7 +43,6 @@ from ckptd.elastic.history import (
 from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec, replan
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none
-from ckptd.writer import codecs
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 
 log = logging.getLogger("ckptd.elastic")
@@ -196,9 +195,10 @@ class ElasticRun:
         Waits (at most the grace left) for this run's in-flight saves; unless the current step
         is then committed, projects the save's duration (this rank's bytes over its last
         measured write bandwidth) and, if the slowest rank's projection fits in the grace left,
-        saves with every thread and no compression. Otherwise the previous checkpoint stays
-        ``latest`` and the reason is logged. The ranks agree on the decision (one all-gather).
-        Never raises for a failed save: the outcome says what happened.
+        saves it uncompressed (``urgent=True``: through the run's own staging buffers and I/O
+        threads). Otherwise the previous checkpoint stays ``latest`` and the reason is logged.
+        The ranks agree on the decision (one all-gather). Never raises for a failed save: the
+        outcome says what happened.
         """
         t0 = time.monotonic()
         signalled = self._watch.signal_time is not None
@@ -234,17 +234,13 @@ class ElasticRun:
             log.warning("ckptd: preemption save of step %d %s", self.step, reason)
             return outcome(False, reason, projected_s=projected)
         t1 = time.monotonic()
-        urgent = self._urgent_checkpointer()
         try:
-            result = urgent.save(state, step=self.step,
-                                 training=self.metadata(preempted_at=self._signal_wall_time()))
+            result = self.ckpt.save(state, step=self.step, urgent=True,
+                                    training=self.metadata(preempted_at=self._signal_wall_time()))
         except Exception as e:  # noqa: BLE001 - reported in the outcome and the log
             log.error("ckptd: preemption save of step %d failed: %s", self.step, e)
             return outcome(False, f"failed: {e}", save_s=time.monotonic() - t1,
                            projected_s=projected)
-        finally:
-            if urgent is not self.ckpt:
-                urgent.close()
         self._committed_step = self._issued_step = self.step
         return outcome(True, "committed", save_s=time.monotonic() - t1, projected_s=projected,
                        nbytes=result.nbytes)
@@ -256,16 +252,6 @@ class ElasticRun:
         self._events.emit("sigterm", quiet=True, step=self.step, save_phase=phase)
         if self._on_sigterm_user is not None:
             self._on_sigterm_user()
-
-    def _urgent_checkpointer(self) -> Checkpointer:
-        """The checkpointer for the preemption save: no compression, every CPU's thread (the
-        run's own when it already is one, so its staging buffers are reused)."""
-        ck, n = self.ckpt, os.cpu_count() or 1
-        if ck.codec == codecs.RAW and getattr(ck, "auto", None) is None and ck.threads >= n:
-            return ck
-        return Checkpointer(ck.url, rank=ck.rank, world_size=ck.world_size,
-                            keep_last=ck.keep_last, compression=None, threads=n,
-                            run_id=ck.run_id, storage=ck.storage)
 
     def _drain(self, timeout: float | None) -> bool:
         """Wait for this run's in-flight saves (their errors are logged, and count as

@@ -142,10 +142,19 @@ class RankWriter:
         self.level = level
 
     def start_files(
-        self, share: Share, arena: Arena, rnd: Round, first_index: int, *, stage_first: bool
+        self,
+        share: Share,
+        arena: Arena,
+        rnd: Round,
+        first_index: int,
+        *,
+        stage_first: bool,
+        codec: str | None = None,
     ) -> list[Future[ChunkList]]:
         """Hand each file of the round to an I/O thread; with ``stage_first``, stage each file's
-        pieces just before, so the disk starts on file 0 while file 1 is being staged."""
+        pieces just before, so the disk starts on file 0 while file 1 is being staged.
+        ``codec`` overrides the writer's for these files."""
+        codec = codec or self.codec
         futures: list[Future[ChunkList]] = []
         try:
             for plan in rnd.plans:
@@ -160,7 +169,7 @@ class RankWriter:
                         path,
                         arena.buffer,
                         plan,
-                        self.codec,
+                        codec,
                         self.level,
                         config.get().frame_bytes,
                         share.rank,
@@ -172,8 +181,12 @@ class RankWriter:
             raise
         return futures
 
-    def write_round(self, share: Share, arena: Arena, rnd: Round, first_index: int) -> ChunkList:
-        return gather(self.start_files(share, arena, rnd, first_index, stage_first=False))
+    def write_round(
+        self, share: Share, arena: Arena, rnd: Round, first_index: int, codec: str | None = None
+    ) -> ChunkList:
+        return gather(
+            self.start_files(share, arena, rnd, first_index, stage_first=False, codec=codec)
+        )
 
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         by_name: dict[str, list[Chunk]] = {}
@@ -203,7 +216,11 @@ class RankWriter:
         return partial
 
     def write_rounds(
-        self, share: Share, rounds: list[Round], on_round: Callable[[int], None] | None = None
+        self,
+        share: Share,
+        rounds: list[Round],
+        on_round: Callable[[int], None] | None = None,
+        codec: str | None = None,
     ) -> list[tuple[str, Chunk]]:
         """Stage and write every round in this thread (the over-budget path, offline tools)."""
         chunks: list[tuple[str, Chunk]] = []
@@ -212,7 +229,7 @@ class RankWriter:
             arena = self.pool.acquire(rnd.nbytes)
             try:
                 stage(arena.buffer, rnd.plans)
-                chunks += self.write_round(share, arena, rnd, index)
+                chunks += self.write_round(share, arena, rnd, index, codec)
             finally:
                 self.pool.release(arena)
             index += len(rnd.plans)
