@@ -1,9 +1,10 @@
 """The Checkpointer: one root, one rank, its background pipeline.
 
 ``save_async`` describes the state (pieces), packs the writer pieces into an arena laid out like
-the data files, copies them in (the stall) and hands the rest to a single driver thread: write
-the files in parallel, write the partial manifest, then commit (coordinator) or wait for the
-commit (other ranks). No collectives happen after ``__init__`` on the save path.
+the data files, copies them in (the stall) and hands the rest to a single driver thread
+(:mod:`ckptd.writer.driver`): write the files in parallel, write the partial manifest, then
+commit (coordinator) or wait for the commit (other ranks). No collectives happen after
+``__init__`` on the save path.
 """
 
 from __future__ import annotations
@@ -15,37 +16,33 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptd import config
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import Chunk, Manifest, TensorEntry, decode
+from ckptd.manifest import Manifest, TensorEntry, decode
 from ckptd.manifest import layout as L
 from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
-from ckptd.storage.base import append_text
 from ckptd.world import agree_run_id, dist_or_none, resolve_world
 from ckptd.writer import codecs
 from ckptd.writer import commit as C
-from ckptd.writer.autocodec import AutoCodec, largest_float_slot
-from ckptd.writer.files import gather
+from ckptd.writer.autocodec import AutoCodec
+from ckptd.writer.driver import Job, SaveDriver
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult, SkippedHandle
 from ckptd.writer.pipeline import (
     RankWriter,
-    Round,
     Share,
     check_unmodified,
     n_files,
     plan_rounds,
-    stage,
-    stored_bytes,
 )
-from ckptd.writer.staging import Arena, StagingPool
+from ckptd.writer.staging import StagingPool
 
 log = logging.getLogger("ckptd")
 
@@ -101,6 +98,8 @@ class Checkpointer:
         self.pool = StagingPool(self.max_inflight)
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
         self._writer = RankWriter(self.storage, self._io, self.pool, self.codec, self.level)
+        self._background = SaveDriver(self.storage, self._writer, self.pool, self.auto, self.rank,
+                                      self.world_size, self.run_id, self.keep_last)
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._handles: list[SaveHandle] = []
         self._seq = 0
@@ -174,7 +173,7 @@ class Checkpointer:
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
         codec = codecs.RAW if urgent else self.auto.choose() if self.auto else self.codec
-        job = _Job(share, rounds, handle, codec)
+        job = Job(share, rounds, handle, codec)
         if len(rounds) > 1:
             log.warning(
                 "ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
@@ -212,7 +211,7 @@ class Checkpointer:
                     raise
                 handle.stall_s = time.perf_counter() - t0
                 handle._set_staged()
-        self._driver.submit(self._run, job)
+        self._driver.submit(self._background.run, job)
         if overlap:
             handle.stall_s = time.perf_counter() - t0
         return handle
@@ -239,96 +238,6 @@ class Checkpointer:
     ) -> SaveResult:
         """``save_async(...).result()``: returns once committed on every rank."""
         return self.save_async(state, step=step, training=training, urgent=urgent).result()
-
-    def _run(self, job: _Job) -> None:
-        """The background part of a save: write (if not written yet), partial, commit."""
-        h, share = job.handle, job.share
-        partial_written = False
-        try:
-            t_staged = time.perf_counter()
-            if job.arena is not None:
-                try:
-                    if h.phase is Phase.STAGING:  # overlap=True: stage here
-                        stage(job.arena.buffer, job.rounds[0].plans)
-                        t_staged = time.perf_counter()
-                        h._set_staged()
-                    t_write = time.perf_counter()
-                    if job.futures is not None:
-                        job.chunks = gather(job.futures)
-                    else:
-                        job.chunks = self._writer.write_round(
-                            share, job.arena, job.rounds[0], 0, job.codec
-                        )
-                    if self.auto is not None:
-                        self._observe(job, time.perf_counter() - min(t_write, job.t_write))
-                finally:
-                    self.pool.release(job.arena)
-            self._writer.write_partial(share, job.chunks)
-            partial_written = True
-            if self.rank == 0:
-                C.coordinate(self.storage, share.step, share.attempt, self.world_size, self.run_id)
-            else:
-                C.wait_committed(self.storage, share.step, share.attempt)
-            result = SaveResult(
-                share.step,
-                h.url,
-                stored_bytes(job.chunks),
-                h.stall_s,
-                time.perf_counter() - t_staged,
-            )
-            self._record(result)
-            h._set_committed(result)
-        except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            log.error("ckptd: save of step %d failed: %s", share.step, e)
-            h._set_failed(e)
-            # best effort, after the error is delivered (an unreachable store retries every
-            # remove); the single driver thread still finishes it before the next save
-            if not partial_written:  # once a partial names them, a commit may still use them
-                self._writer.discard(share, n_files(job.rounds))
-            return
-        if self.rank == 0 and self.keep_last > 0:
-            # After the commit is announced: deleting a large old step takes a while (0.3-0.6 s
-            # for 2 GiB here) and must not delay "committed"; the driver finishes it before the
-            # next save's background work.
-            try:
-                C.apply_retention(self.storage, self.keep_last)
-            except OSError as e:
-                log.warning("ckptd: retention after step %d failed: %s", share.step, e)
-
-    def _observe(self, job: _Job, seconds: float) -> None:
-        """Feed compression="auto" with this save's write bandwidth and a compressor sample."""
-        assert self.auto is not None and job.arena is not None
-        self.auto.observe_write(stored_bytes(job.chunks), seconds, job.codec)
-        slots = [(s.piece.view, s.offset, s.nbytes) for p in job.rounds[0].plans for s in p.slots]
-        best = largest_float_slot(slots)
-        if best is not None and self.auto.zstd_bps is None:
-            offset, nbytes, itemsize = best
-            mem = memoryview(job.arena.buffer.numpy()).cast("B")  # type: ignore[arg-type]
-            self.auto.observe_sample(mem[offset : offset + nbytes], itemsize)
-        log.info(
-            "ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
-            (self.auto.write_bps or 0) / 1e9,
-            (self.auto.zstd_bps or 0) / 1e9,
-            self.auto.ratio or 0,
-            self.auto.choose(),
-        )
-
-    def _record(self, r: SaveResult) -> None:
-        line = {
-            "step": r.step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "nbytes": r.nbytes,
-            "stall_s": round(r.stall_s, 6),
-            "write_s": round(r.write_s, 6),
-            "time": time.time(),
-        }
-        log.info("ckptd save %s", json.dumps(line))
-        if self.rank == 0:
-            try:
-                append_text(self.storage, L.METRICS, json.dumps(line) + "\n")
-            except OSError as e:
-                log.warning("ckptd: could not append metrics: %s", e)
 
     def _next_step(self, state: Any, step: int | None) -> int:
         if step is not None:
@@ -447,18 +356,6 @@ class Checkpointer:
         box = [self.latest_step() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-@dataclass
-class _Job:
-    share: Share
-    rounds: list[Round]
-    handle: SaveHandle
-    codec: str  # this save's codec (compression="auto" chooses per save; urgent saves are raw)
-    arena: Arena | None = None  # one round: staged in an arena, written in the background
-    chunks: list[tuple[str, Chunk]] = field(default_factory=list)
-    futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files already being written
-    t_write: float = float("inf")  # when the first file was handed to an I/O thread
 
 
 def _json_copy(value: Any) -> Any:

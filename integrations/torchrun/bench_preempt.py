@@ -2,8 +2,9 @@
 
 One process holds ``--gib`` GiB of fp32 state in a ZeRO-style flat buffer (declared with
 ``ckptd.FlatShard``), sends itself SIGTERM, and runs the preemption path of
-``ckptd.elastic.ElasticRun`` (drain, project, save with every thread and no compression,
-commit). ``--warm`` first does one periodic async save, as a training run would have done, so
+``ckptd.elastic.ElasticRun`` (drain, project, an uncompressed ``urgent`` save through the
+run's own staging buffers, commit). ``--compression zstd`` makes the run a compressed one (its
+periodic saves are compressed; the preemption save still is not). ``--warm`` first does one periodic async save, as a training run would have done, so
 the staging buffers exist; without it the preemption save allocates them (page-fault bound).
 The floor is writing the same number of bytes to the same filesystem with ``O_DIRECT`` (what
 ckptd's local backend uses; falls back to buffered + ``fsync``) from as many threads::
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--root", required=True, help="a directory on the filesystem to measure")
     p.add_argument("--warm", action="store_true", help="one async save first (arena exists)")
     p.add_argument("--grace-s", type=float, default=30.0)
+    p.add_argument("--compression", default=None, help="the run's compression (e.g. zstd)")
     args = p.parse_args()
     threads = os.cpu_count() or 1
     n = int(args.gib * (1 << 30)) // 4
@@ -74,7 +76,7 @@ def main() -> None:
         flat, [(f"layers.{i}.w", (size,)) for i in range(members)], 0)}}
     root = os.path.join(args.root, "ckpt")
     shutil.rmtree(root, ignore_errors=True)
-    ckpt = ckptd.init(root, compression=None, threads=threads, keep_last=2)
+    ckpt = ckptd.init(root, compression=args.compression, threads=threads, keep_last=2)
     run = elastic.resume(ckpt, reference=elastic.TrainingSpec(1, 1, 1, 1, 1),
                          model=elastic.ModelSpec(1, 1, n), grace_s=args.grace_s)
     warm: dict[str, float] = {}
@@ -93,7 +95,8 @@ def main() -> None:
     nbytes = flat.numel() * 4
     floor = write_floor(os.path.join(args.root, "floor"), nbytes, threads)
     print(json.dumps({
-        "gib": nbytes / (1 << 30), "threads": threads, "warm": args.warm, **warm,
+        "gib": nbytes / (1 << 30), "threads": threads, "warm": args.warm,
+        "compression": args.compression, **warm,
         "saved": out.saved, "reason": out.reason, "drain_s": out.drain_s,
         "save_s": out.save_s, "sigterm_to_committed_s": out.signal_to_committed_s,
         "measured_total_s": total, "projected_s": out.projected_s,
