@@ -15,10 +15,18 @@ from typing import Any
 
 @dataclasses.dataclass
 class Tunables:
-    # Raw bytes per checksummed (and, when compressed, independently decodable) frame. A partial
-    # read rounds out to whole frames, so this bounds read amplification per range at 2 frames;
-    # 1 MiB keeps manifests small (2048 frame entries for 2 GiB) and xxh3 costs ~0.04 ms a frame.
+    # Raw bytes per checksummed (and, when compressed, independently decodable) frame, at most.
+    # A partial read rounds out to whole frames, so a load that cuts a chunk (a reshard) reads up
+    # to one frame too many at each cut. Chunks smaller than `frames_per_chunk` frames get
+    # smaller frames (halved, down to `min_frame_bytes`), so the over-read stays within about
+    # 1/64 of the chunk; large chunks keep `frame_bytes`, so the manifest of a big checkpoint
+    # stays small (~1 entry per MiB). Measured on benchmarks/load.py's 2 GiB state: fixed 1 MiB
+    # frames read 1.133x the needed bytes on 4 -> 8 ranks, fixed 256 KiB 1.033x (with 4x the
+    # frame entries); docs/loading.md has the adaptive rule's figures. xxh3: ~0.04 ms per MiB.
+    # Set min_frame_bytes = frame_bytes for fixed frames.
     frame_bytes: int = 1 << 20
+    min_frame_bytes: int = 256 << 10
+    frames_per_chunk: int = 64
     # Chunk start offsets in data files are aligned to this (O_DIRECT needs 4 KiB alignment).
     file_alignment: int = 4096
     # A rank's data is split into up to `files_per_thread * io_threads` files, written in

@@ -182,3 +182,27 @@ def test_keep_last_never_removes_the_newest(tmp_path):
         assert torch.equal(dst["x"], torch.full((4,), 4.0))
         c.save({"x": torch.full((4,), 5.0)}, step=5)
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000005"]
+
+
+def test_small_chunks_get_smaller_frames_so_a_resharding_cut_over_reads_little(tmp_path):
+    from ckptd import config
+
+    big, small = torch.randn(1024, 1024), torch.randn(257, 256)  # 4 MiB and 257 KiB chunks
+    scaled = {"frame_bytes": 64 << 10, "min_frame_bytes": 4 << 10, "frames_per_chunk": 64}
+    with config.override(**scaled):
+        with ckptd.Checkpointer(str(tmp_path / "adaptive")) as c:
+            c.save({"big": big, "small": small}, step=1)
+            tensors = c.read_manifest(1).tensors
+    assert [tensors[n].chunks[0].frame_bytes for n in ("big", "small")] == [64 << 10, 4 << 10]
+    assert len(tensors["small"].chunks[0].frames) == -(-257 * 1024 // (4 << 10))
+    with config.override(**{**scaled, "min_frame_bytes": 64 << 10}):  # fixed frames
+        with ckptd.Checkpointer(str(tmp_path / "fixed")) as c:
+            c.save({"small": small}, step=1)
+            assert c.read_manifest(1).tensors["small"].chunks[0].frame_bytes == 64 << 10
+
+    # a rank of a 3-way split needs rows 86..171: it reads them plus at most a frame per cut
+    with ckptd.Checkpointer(str(tmp_path / "adaptive")) as c:
+        dst = torch.zeros(86, 256)
+        r = c.load({"small": ckptd.Shard(dst, (257, 256), (86, 0))}, strict=False)
+    assert torch.equal(dst, small[86:172])
+    assert dst.numel() * 4 <= r.nbytes_read <= dst.numel() * 4 + 2 * (4 << 10)

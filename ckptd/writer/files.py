@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ckptd import config
 from ckptd.manifest import Chunk, Frame
 from ckptd.regions import Box
 from ckptd.storage import Storage
@@ -20,6 +21,18 @@ ChunkList = list[tuple[str, Chunk]]
 def _frames_of(view: memoryview, frame_bytes: int) -> Iterator[memoryview]:
     for i in range(0, len(view), frame_bytes):
         yield view[i : i + frame_bytes]
+
+
+def frame_size(nbytes: int, itemsize: int, frame_bytes: int) -> int:
+    """The frame size of a chunk of ``nbytes``: ``frame_bytes``, halved while the chunk has
+    fewer than ``frames_per_chunk`` frames, down to ``min_frame_bytes`` (``ckptd.config``);
+    always a multiple of ``itemsize``."""
+    cfg = config.get()
+    size = frame_bytes
+    while (size // 2 >= cfg.min_frame_bytes and size * cfg.frames_per_chunk > nbytes
+           and size % (2 * itemsize) == 0):
+        size //= 2
+    return size
 
 
 def write_file(
@@ -40,7 +53,8 @@ def write_file(
         # The arena range is the file image: checksum frames in place, then one big write.
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
-            frames = tuple(Frame(len(f), codecs.checksum(f)) for f in _frames_of(raw, frame_bytes))
+            fb = frame_size(s.nbytes, s.piece.view.element_size(), frame_bytes)
+            frames = tuple(Frame(len(f), codecs.checksum(f)) for f in _frames_of(raw, fb))
             chunks.append(
                 (
                     s.piece.name,
@@ -50,7 +64,7 @@ def write_file(
                         s.offset - plan.start,
                         s.nbytes,
                         codec,
-                        frame_bytes,
+                        fb,
                         frames,
                         rank,
                     ),
@@ -64,9 +78,10 @@ def write_file(
     for s in plan.slots:
         raw = mem[s.offset : s.offset + s.nbytes]
         itemsize = s.piece.view.element_size()
+        fb = frame_size(s.nbytes, itemsize, frame_bytes)
         start = cursor
         encoded: list[Frame] = []
-        for f in _frames_of(raw, frame_bytes):
+        for f in _frames_of(raw, fb):
             stored = codecs.encode(f, codec, itemsize, level)
             encoded.append(Frame(len(stored), codecs.checksum(stored)))
             parts.append(stored)
@@ -75,7 +90,7 @@ def write_file(
             (
                 s.piece.name,
                 _chunk(
-                    s.piece.box, rel_path, start, s.nbytes, codec, frame_bytes, tuple(encoded), rank
+                    s.piece.box, rel_path, start, s.nbytes, codec, fb, tuple(encoded), rank
                 ),
             )
         )
