@@ -235,7 +235,7 @@ def test_plan_reads_each_element_once_from_overlapping_copies() -> None:
         copies = [c for rg in plan.ranges for r in rg.reads for c in r.copies]
         assert sum(c.region.numel for c in copies) == 16
         assert plan.needed_bytes == 64
-        by_file = {c.read.chunk.file: c.region for c in copies}
+        by_file = {c.chunk.file: c.region for c in copies}
         assert by_file[first].numel > 0  # the preferred copy is used first
 
 

@@ -206,3 +206,24 @@ def test_small_chunks_get_smaller_frames_so_a_resharding_cut_over_reads_little(t
         r = c.load({"small": ckptd.Shard(dst, (257, 256), (86, 0))}, strict=False)
     assert torch.equal(dst, small[86:172])
     assert dst.numel() * 4 <= r.nbytes_read <= dst.numel() * 4 + 2 * (4 << 10)
+
+
+def test_a_load_keeps_no_reference_to_its_destinations(tmp_path):
+    """The load plan holds no reference cycle: a destination is freed when the caller drops it,
+    without waiting for the garbage collector (an export streams slabs through the loader)."""
+    import gc
+    import weakref
+
+    w = torch.randn(300, 100)
+    with ckptd.Checkpointer(str(tmp_path / "r")) as c:
+        c.save({"w": w, "b": torch.randn(10)}, step=1)
+        gc.disable()
+        try:
+            dst = {"w": torch.zeros(300, 100), "b": torch.zeros(10)}
+            ref = weakref.ref(dst["w"])
+            c.load(dst)
+            assert torch.equal(dst["w"], w)
+            del dst
+            assert ref() is None
+        finally:
+            gc.enable()

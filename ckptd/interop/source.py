@@ -32,7 +32,6 @@ from ckptd.writer import commit as C
 # one still in the writer's hands — plus a cast copy with a dtype change. 8 MiB is the loader's
 # read unit (ckptd.reshard.tuning.unit_bytes), large enough for sequential disk speed.
 SLAB_BYTES = 8 << 20
-_RELEASED = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -112,11 +111,6 @@ class BoxReader:
             strict=False,
             pool=self._pool,
         )
-        # The loader's plan holds its pieces in reference cycles (a read and its copies), which
-        # only the garbage collector frees: drop the destinations now, or every slab of an
-        # export would stay resident until the next collection.
-        for p in pieces:
-            p.view = _RELEASED
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -63,7 +63,7 @@ def _flat_run(region: Box, within: Box) -> tuple[int, int] | None:
 
 def _sub_pieces(c: Copy, lo: int, hi: int) -> list[Piece]:
     """The destination pieces of flat elements ``[lo, hi)`` of the copy's chunk."""
-    p, chunk = c.piece, c.read.chunk
+    p, chunk = c.piece, c.chunk
     out = []
     for bx in flat_to_boxes(chunk.box.sizes, lo, hi):
         g = bx.shift(chunk.box.offsets)
@@ -90,7 +90,7 @@ def split(ranges: list[Range], unit_bytes: int) -> tuple[list[DirectRead], list[
 
 
 def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | None:
-    chunk, isz = c.read.chunk, c.read.itemsize
+    chunk, isz = c.chunk, c.itemsize
     if chunk.codec != codecs.RAW or c.piece.view.device.type != "cpu":
         return None
     run = _flat_run(c.region, chunk.box)
@@ -110,7 +110,7 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
         b = min(f1, a + per)
         start = a * fb - lo * isz
         end = min(b * fb, chunk.length) - lo * isz
-        reads.append(DirectRead(c.read.tensor, chunk, a, b, flat[start:end]))
+        reads.append(DirectRead(c.tensor, chunk, a, b, flat[start:end]))
     rest = []
     if f0 * fb > lo * isz:
         rest += _sub_pieces(c, lo, f0 * fb // isz)

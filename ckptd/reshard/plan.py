@@ -68,12 +68,16 @@ class Read:
 
 @dataclass(eq=False)
 class Copy:
-    """``region`` of ``piece`` comes from the read's decoded bytes, where ``box`` (containing
-    ``region``) starts ``offset`` elements in, row-major."""
+    """``region`` of ``piece`` comes from its read's decoded bytes, where ``box`` (containing
+    ``region``) starts ``offset`` elements in, row-major. It names the read's tensor, chunk and
+    itemsize rather than the read, so that a plan holds no reference cycle (its destinations
+    are freed as soon as the plan is dropped, not at the next garbage collection)."""
 
     piece: Piece
     region: Box
-    read: Read
+    tensor: str
+    chunk: Chunk
+    itemsize: int
     box: Box
     offset: int
 
@@ -259,7 +263,8 @@ def _chunk_reads(name: str, chunk: Chunk, itemsize: int, items: list[tuple[Piece
             for g, offset in boxes:
                 region = inter.intersect(g)
                 if region is not None and region.numel:
-                    read.copies.append(Copy(piece, region, read, g, offset))
+                    read.copies.append(
+                        Copy(piece, region, read.tensor, chunk, itemsize, g, offset))
     return reads
 
 
@@ -290,9 +295,9 @@ def _natural(s: str) -> list[object]:
 
 def source_view(copy: Copy, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A view of ``copy.region`` inside the read's decoded bytes ``raw`` (uint8; no copy)."""
-    n = copy.box.numel * copy.read.itemsize
-    start = copy.offset * copy.read.itemsize
+    n = copy.box.numel * copy.itemsize
+    start = copy.offset * copy.itemsize
     block = raw[start : start + n]
-    if block.storage_offset() % copy.read.itemsize:  # misaligned for a dtype view: realign
+    if block.storage_offset() % copy.itemsize:  # misaligned for a dtype view: realign
         block = block.clone()
     return block.view(dtype).view(copy.box.sizes)[copy.region.within(copy.box)]
