@@ -80,6 +80,7 @@ class Checkpointer:
         storage: Storage | None = None,
         debug_overlap: bool = False,
         host_budget_bytes: int | None = None,
+        read_only: bool = False,
     ) -> None:
         if on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
@@ -106,7 +107,11 @@ class Checkpointer:
         self._last_step: int | None = None
         self._closed = False
         self._lock = threading.Lock()
-        if self.rank == 0:
+        # A writer takes the root over (a job still writing under the previous owner fails its
+        # next commit); a reader (an evaluation job, a tool) must not, or it would stop the
+        # training job that owns the root.
+        self.read_only = read_only
+        if self.rank == 0 and not read_only:
             C.claim(self.storage, self.run_id)
         _live.add(self)
 
@@ -133,6 +138,8 @@ class Checkpointer:
         staging buffers and I/O threads.
         """
         self._check_open()
+        if self.read_only:
+            raise CkptdError(f"{self.url}: this Checkpointer is read-only (read_only=True)")
         self._raise_pending()
         t0 = time.perf_counter()
         step = self._next_step(state, step)

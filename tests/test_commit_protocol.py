@@ -61,6 +61,19 @@ def test_two_jobs_on_one_root_fail_loudly(tmp_path):
     second.close()
 
 
+def test_a_read_only_reader_does_not_take_the_root_from_the_job_that_writes_it(tmp_path):
+    url = str(tmp_path)
+    with ckptd.Checkpointer(url, run_id="training") as job:
+        job.save({"w": torch.ones(3)}, step=1)
+        with ckptd.Checkpointer(url, run_id="eval", read_only=True) as reader:  # an eval job
+            dst = {"w": torch.zeros(3)}
+            assert reader.load(dst).step == 1 and torch.equal(dst["w"], torch.ones(3))
+            with pytest.raises(ckptd.CkptdError, match="read-only"):
+                reader.save({"w": torch.ones(3)}, step=2)
+        job.save({"w": torch.full((3,), 2.0)}, step=2)  # still the owner: commits
+        assert job.latest_step() == 2
+
+
 def test_a_hole_in_coverage_fails_the_save_naming_the_tensor(tmp_path):
     cs = _sim(str(tmp_path), 2)
     hs = [

@@ -120,7 +120,8 @@ def final_model(root: Path, step: int | None = None) -> tuple[int, dict[str, tor
 
     zero = FlatZero(param_specs(Config()), stage=0, dp_size=1, dp_rank=0)
     state = zero.state()
-    with ckptd.Checkpointer(str(root), rank=0, world_size=1, run_id="reader") as ckpt:
+    with ckptd.Checkpointer(str(root), rank=0, world_size=1, run_id="reader",
+                           read_only=True) as ckpt:
         result = ckpt.load(state, step=step)
     n = zero.numel
     return result.step, {"params": zero.params[:n].clone(), "exp_avg": zero.exp_avg[:n].clone(),

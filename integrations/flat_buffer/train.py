@@ -232,7 +232,7 @@ def logical_state(root: str) -> dict[str, torch.Tensor]:
             for k in ("exp_avg", "exp_avg_sq")
         },
     }
-    with ckptd.Checkpointer(root, rank=0, world_size=1, keep_last=0) as ck:
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as ck:
         ck.load(state, strict=False)  # strict would also want the "step" value
     flat: dict[str, torch.Tensor] = {}
 
