@@ -227,3 +227,15 @@ def test_a_load_keeps_no_reference_to_its_destinations(tmp_path):
             assert ref() is None
         finally:
             gc.enable()
+
+
+def test_the_local_backend_writes_again_into_a_directory_it_removed(tmp_path):
+    """LocalStorage remembers the directories it made; removing one must forget it."""
+    from ckptd.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path / "r"))
+    storage.write_file("step/data/x", [b"1234"])
+    storage.remove("step")  # what gc and retention do
+    storage.write_file("step/data/y", [b"5678"])
+    storage.put_atomic("step/data/z", b"9")
+    assert storage.list_dir("step/data") == ["y", "z"]

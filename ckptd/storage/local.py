@@ -179,6 +179,8 @@ class LocalStorage:
     def remove(self, path: str) -> None:
         full = self._abs(path)
         if os.path.isdir(full):
+            with self._lock:  # the directories made below it are gone with it
+                self._made = {d for d in self._made if d != full and not d.startswith(full + "/")}
             shutil.rmtree(full, ignore_errors=True)
         else:
             try:
