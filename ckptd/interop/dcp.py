@@ -24,7 +24,6 @@ stored as one list (``optim.param_groups.0.betas``) fills the ckptd leaves of it
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from ckptd.interop.dcp_format import (
     is_dcp,
     read_index,
 )
+from ckptd.interop.source import by_budget
 from ckptd.regions import Box, copy_region
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
 from ckptd.storage import Storage, open_storage
@@ -138,22 +138,6 @@ def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, l
         elif strict:
             problems.append(f"{key}: value missing from the checkpoint")
     return _Plan(copies, values), problems
-
-
-def _batches(
-    items: list[tuple[DcpTensor, DcpChunk]], budget: int
-) -> Iterator[list[tuple[DcpTensor, DcpChunk]]]:
-    batch: list[tuple[DcpTensor, DcpChunk]] = []
-    size = 0
-    for t, c in items:
-        n = c.box.numel * t.itemsize
-        if batch and size + n > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append((t, c))
-        size += n
-    if batch:
-        yield batch
 
 
 def read_chunks(
@@ -274,7 +258,7 @@ def _load(
         if total <= budget:
             kept = read_chunks(storage, items, pool)
         else:
-            for batch in _batches(items, budget):
+            for batch in by_budget(items, lambda tc: tc[1].box.numel * tc[0].itemsize, budget):
                 read_chunks(storage, batch, pool)
     except Exception as e:  # noqa: BLE001 - every rank must reach _agree
         error = e
@@ -284,7 +268,7 @@ def _load(
         if total <= budget:
             _copy(plan.copies, kept)
         else:
-            for batch in _batches(items, budget):
+            for batch in by_budget(items, lambda tc: tc[1].box.numel * tc[0].itemsize, budget):
                 _copy(plan.copies, read_chunks(storage, batch, pool))
                 nbytes += sum(c.item.length for _, c in batch)
     for key, value in values.items():

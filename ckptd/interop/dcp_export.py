@@ -31,7 +31,7 @@ from ckptd.errors import CkptdError
 from ckptd.interop.source import (
     SLAB_BYTES,
     BoxReader,
-    Checkpoint,
+    by_budget,
     disjoint_boxes,
     open_checkpoint,
     split_rows,
@@ -159,7 +159,9 @@ def export_dcp(
         return item.parts
 
     def items(reader: BoxReader) -> Iterator[bytes]:
-        for batch in _batches(ckpt, plan, slab):
+        itemsize = {n: torch.empty((), dtype=e.dtype).element_size()
+                    for n, e in ckpt.manifest.tensors.items()}
+        for batch in by_budget(plan, lambda nb: nb[1].numel * itemsize[nb[0]], slab):
             dsts = [torch.empty(b.sizes, dtype=ckpt.manifest.tensors[n].dtype) for n, b in batch]
             reader.read([(n, b, d) for (n, b), d in zip(batch, dsts, strict=True)])
             for i, (name, box) in enumerate(batch):
@@ -187,24 +189,6 @@ def export_dcp(
     return DcpExport(
         storage.url, ckpt.step, len(names), len(plan) + len(values), written[0], skipped
     )
-
-
-def _batches(
-    ckpt: Checkpoint,
-    plan: list[tuple[str, Box]],
-    budget: int,
-) -> Iterator[list[tuple[str, Box]]]:
-    batch: list[tuple[str, Box]] = []
-    size = 0
-    for name, box in plan:
-        n = box.numel * torch.empty((), dtype=ckpt.manifest.tensors[name].dtype).element_size()
-        if batch and size + n > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, box))
-        size += n
-    if batch:
-        yield batch
 
 
 class _Parts:

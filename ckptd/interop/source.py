@@ -10,10 +10,10 @@ asking for bounded :func:`row_slabs` bounds the memory of a whole export by a co
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +52,25 @@ class Checkpoint:
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint:
     """``ROOT/step-000000042`` (that step) or ``ROOT`` (its newest committed step)."""
     return Checkpoint(*C.open_step(url, storage_options))
+
+
+T = TypeVar("T")
+
+
+def by_budget(items: Iterable[T], nbytes: Callable[[T], int], budget: int) -> Iterator[list[T]]:
+    """``items`` in order, in batches of at most ``budget`` bytes (an item larger than the
+    budget is a batch of its own)."""
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
 
 
 def row_slabs(shape: tuple[int, ...], itemsize: int, slab_bytes: int = SLAB_BYTES) -> Iterator[Box]:
