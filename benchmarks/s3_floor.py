@@ -108,7 +108,9 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
     for part_mib, conc in configs:
         storage = FsspecStorage(
             f"s3://{BUCKET}", options,
-            transfer=S3Transfer(part_bytes=part_mib << 20, concurrency=conc),
+            # the sweep's part size is both the upload part and the ranged-GET unit
+            transfer=S3Transfer(part_bytes=part_mib << 20, read_part_bytes=part_mib << 20,
+                                concurrency=conc),
         )
         label = "one request" if conc == 1 else f"{part_mib} MiB x {conc}"
         clients.append((f"ckptd FsspecStorage ({label})", *ckptd_ops(storage)))

@@ -192,6 +192,48 @@ def test_a_load_over_budget_holds_at_most_the_budget_of_read_buffers(
     assert stats.needed_bytes == 8 << 20 and stats.reads.frames >= 2 * 128
 
 
+def test_a_remote_load_reads_larger_ranges_and_still_holds_at_most_the_budget(
+    tmp_path: Any
+) -> None:
+    """On remote storage (any fsspec URL; memory:// here) the read unit is
+    ``remote_unit_bytes``, capped at a quarter of the budget: 4 x fewer ranges than a local load
+    with the same tunables, and the reader's memory (counted and traced) stays within the budget.
+    """
+    from ckptd.reshard.load import unit_bytes
+    from ckptd.reshard.reader import Buffers
+    from ckptd.storage import LocalStorage
+    from ckptd.storage.fsspec_backend import FsspecStorage
+
+    state = _big_state(rows=512)  # 4 x 2 MiB, one data file
+    budget = 2 << 20
+    remote = f"memory://remote-unit-{os.getpid()}/run"
+    for root in (str(tmp_path), remote):
+        with config.override(frame_bytes=64 << 10):
+            _save(root, state)
+    planned = {}
+    with config.override(load_budget_bytes=budget), \
+            tuning.override(unit_bytes=128 << 10, remote_unit_bytes=1 << 20):
+        buffers = Buffers(budget)
+        assert unit_bytes(LocalStorage(str(tmp_path)), buffers) == 128 << 10
+        assert unit_bytes(FsspecStorage(remote), buffers) == budget // 4  # capped by the budget
+        for root in (str(tmp_path), remote):
+            dst = {k: torch.zeros_like(v) for k, v in state.items()}
+            with ckptd.Checkpointer(root) as ck:
+                tracemalloc.start()
+                try:
+                    ck.load(dst)
+                    _, peak = tracemalloc.get_traced_memory()
+                finally:
+                    tracemalloc.stop()
+            stats = last_stats()
+            assert stats is not None and 0 < stats.peak_buffer_bytes <= budget
+            assert peak <= budget + PLAN_ALLOWANCE, f"{root}: traced peak {peak} over {budget}"
+            assert all(torch.equal(dst[k], state[k]) for k in state)
+            planned[root] = stats.planned_ranges
+    assert planned == {str(tmp_path): 64, remote: 16}  # 8 MiB in 128 KiB / 512 KiB ranges
+    FsspecStorage(remote).remove("")
+
+
 def test_a_load_within_budget_reads_every_byte_once(tmp_path: Any) -> None:
     root = str(tmp_path)
     state = _big_state()

@@ -225,10 +225,35 @@ class TestS3:
         assert sizes == [16 << 20, 16 << 20, 32 << 20, 64 << 20, 5 << 30]
         assert sum(part_size(n, 16 << 20) for n in range(1, 10_001)) > 5 << 40  # S3's max object
 
+    def test_a_range_is_fetched_by_equal_gets_of_one_to_two_read_parts(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
+    ) -> None:
+        from ckptd.storage.s3_read import split
+
+        assert split(10, 0, 4) == []
+        assert split(0, 3, 4) == [(0, 3)]  # shorter than the unit: one GET
+        assert split(100, 7, 4) == [(100, 7)]  # under two units: still one
+        assert split(0, 9, 4) == [(0, 4), (4, 5)]
+        for length, unit in ((5 * PART + 77, PART), (64 << 20, 16 << 20), (12345, 1000)):
+            pieces = split(7, length, unit)
+            assert [p[0] for p in pieces] == [7 + sum(p[1] for p in pieces[:i])
+                                              for i in range(len(pieces))]
+            assert sum(n for _, n in pieces) == length
+            assert all(unit <= n < 2 * unit for _, n in pieces)
+            assert max(n for _, n in pieces) - min(n for _, n in pieces) <= 1
+        data = payload(5 * PART + 77)
+        s3_bucket.storage().write_file("g.bin", [data])
+        storage = s3_bucket.storage(proxy.endpoint_url, read_part_bytes=PART)
+        before = proxy.counts["forwarded"]
+        got = storage.read_ranges("g.bin", [(0, len(data)), (3, 2 * PART - 1), (9, 0)])
+        assert got == [data, data[3 : 2 * PART + 2], b""]
+        assert proxy.counts["forwarded"] - before == 5 + 1  # 5 GETs, then 1, then none
+
     def test_ten_percent_faults_are_retried_to_bit_exact_results(
         self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8)
+        # GETs of half a part, so that a range is many concurrent GETs
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8, read_part_bytes=PART // 2)
         proxy.set_faults(0.10, kinds=("500", "503", "reset", "truncate"))
         datas = {f"data/{i}.bin": payload(8 * PART + 1000 * i, seed=i) for i in range(4)}
         for path, data in datas.items():
@@ -252,7 +277,7 @@ class TestS3:
     ) -> None:
         data = payload(9 * PART + 5)
         s3_bucket.storage().write_file("cut.bin", [data])
-        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=10)
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=10, read_part_bytes=PART)
         proxy.set_faults(0.3, kinds=("truncate",))
         got = storage.read_ranges("cut.bin", [(0, len(data)), (3, PART)])
         assert got == [data, data[3 : 3 + PART]]
@@ -324,7 +349,8 @@ class TestS3:
         s3_bucket.storage().write_file("slow.bin", [data])
         options = s3_bucket.options(proxy.endpoint_url)
         options["config_kwargs"] = {"read_timeout": 0.3}  # passes through to botocore
-        transfer = S3Transfer(part_bytes=PART, max_attempts=8, base_delay_s=0.001)
+        transfer = S3Transfer(part_bytes=PART, read_part_bytes=PART, max_attempts=8,
+                              base_delay_s=0.001)
         storage = FsspecStorage(s3_bucket.url, options, transfer=transfer)
         proxy.stall(0.5, seconds=30.0)
         start = time.monotonic()

@@ -114,10 +114,19 @@ def gap_bytes(storage: Storage) -> int:
     return t.remote_gap_bytes if "://" in storage.url else t.gap_bytes
 
 
+def unit_bytes(storage: Storage, buffers: Buffers) -> int:
+    """The largest range for this storage: the pooled buffer size locally; on remote storage
+    ``remote_unit_bytes``, at most a quarter of the budget (a range above the pooled size is
+    one buffer of its exact length, reserved as such, so the budget still bounds the load)."""
+    if "://" not in storage.url:
+        return buffers.unit
+    return max(buffers.unit, min(tuning.get().remote_unit_bytes, buffers.limit // 4))
+
+
 def make_plan(storage: Storage, manifest: Manifest, pieces: list[Piece], rank: int | None,
               buffers: Buffers) -> LoadPlan:
     return plan_load(manifest, pieces, rank=rank, gap_bytes=gap_bytes(storage),
-                     unit_bytes=buffers.unit)
+                     unit_bytes=unit_bytes(storage, buffers))
 
 
 def kept_suffix(ranges: list[Range], buffers: Buffers, threads: int, remote: bool) -> set[int]:
@@ -215,7 +224,7 @@ def load_into(
     if rest:
         stats.passes = 2
         direct.fill(storage, step_dir, manifest, rest, rank, pool, buffers, gap_bytes(storage),
-                    buffers.unit, stats.reread)
+                    unit_bytes(storage, buffers), stats.reread)
         stats.reads.add(stats.reread)
         clock("reread")
     if sharing is not None:

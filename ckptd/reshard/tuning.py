@@ -28,6 +28,11 @@ class ReadTunables:
     # enough to stream at disk speed (4-16 MiB reads reach the sequential bandwidth here), small
     # enough that several are in flight in parallel threads within the load budget.
     unit_bytes: int = 8 << 20
+    # The read unit for remote storage (fsspec URLs: S3...), at most a quarter of the load
+    # budget: fewer, larger requests. A remote range's buffer is exactly its length (counted
+    # against the budget as such), and the S3 backend fetches it by concurrent GETs of
+    # ``S3Transfer.read_part_bytes``. Measurements: docs/storage.md, "Tuning loads from S3".
+    remote_unit_bytes: int = 128 << 20
     # Read-once: replicated destination pieces (the same box of a tensor on several ranks) are
     # read by one rank and broadcast, when torch.distributed is initialised. "off" | "on" |
     # "remote" (on for fsspec URLs only). Measured on one node with a local disk it loses (the

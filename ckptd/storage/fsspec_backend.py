@@ -43,9 +43,12 @@ _S3_PROTOCOLS = ("s3", "s3a")
 class S3Transfer:
     """S3 transfer tuning; the defaults are explained in docs/storage.md ("Tuning")."""
 
-    # Upload part and ranged-GET unit. S3 requires >= 5 MiB for every part but the last. 16 MiB
-    # amortises per-request overhead (~10-30 ms on S3) while keeping buffered memory bounded.
+    # Upload part size. S3 requires >= 5 MiB for every part but the last. 16 MiB amortises
+    # per-request overhead (~10-30 ms on S3) while keeping buffered memory bounded.
     part_bytes: int = 16 << 20
+    # Ranged-GET unit: a read range is fetched by max(1, length // read_part_bytes) concurrent
+    # GETs of equal size. 64 MiB: docs/storage.md, "Tuning loads from S3", has the measurements.
+    read_part_bytes: int = 64 << 20
     # Requests in flight per storage object (all threads together); also bounds upload buffers:
     # at most `concurrency` parts (16 x 16 MiB = 256 MiB) are held at once. One S3 connection
     # carries ~50-100 MB/s, so 16 connections approach the NIC of a typical training node.
@@ -58,7 +61,7 @@ class S3Transfer:
     max_delay_s: float = 20.0
 
     def __post_init__(self) -> None:
-        if min(self.part_bytes, self.concurrency, self.max_attempts) <= 0:
+        if min(self.part_bytes, self.read_part_bytes, self.concurrency, self.max_attempts) <= 0:
             raise ValueError(f"S3Transfer: sizes and counts must be positive: {self}")
 
     @classmethod
@@ -171,7 +174,9 @@ class FsspecStorage:
         data: bytes = self._fs.cat_file(self._path(path))
         return data
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def read_ranges(
+        self, path: str, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes] | list[bytearray]:
         for offset, length in ranges:
             if offset < 0 or length < 0:
                 raise ValueError(f"{self._url(path)}: bad range {offset}+{length}")

@@ -13,7 +13,8 @@ loop; callers are ordinary threads. The policy lives here, once per concern:
   if even the abort fails (S3 unreachable), :meth:`S3Objects.abort_incomplete_uploads`
   (``ckptd gc``) removes it later. Nothing is visible under the key until Complete succeeds.
 - **Atomic puts** are a single PUT: S3 objects appear whole or not at all; there is no rename.
-- **Reads** split ranges larger than ``part_bytes`` and issue ranged GETs concurrently.
+- **Reads** (:mod:`ckptd.storage.s3_read`) fill one exact-size buffer per range with
+  concurrent ranged GETs of about ``read_part_bytes``, each streamed straight into its slice.
 - **Retries**: every request, including reading its response body, goes through one loop
   (:meth:`S3Objects._retrying`) with the policy of :mod:`ckptd.storage.s3_retry`.
 """
@@ -22,78 +23,31 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import errno
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptd.errors import StorageError
+from ckptd.storage import s3_read
 from ckptd.storage import s3_retry as retry
 from ckptd.storage.base import Buffer
+from ckptd.storage.s3_read import all_or_cancel
+from ckptd.storage.s3_write import (
+    MAX_PARTS,
+    Chunker,
+    Skipped,
+    Upload,
+    first_error,
+    part_size,
+)
 
 if TYPE_CHECKING:
     from ckptd.storage.fsspec_backend import S3Transfer
 
 T = TypeVar("T")
-
-_S3_MAX_PARTS = 10_000
-_S3_MAX_PART_BYTES = 5 << 30
-
-
-def part_size(part_number: int, base: int) -> int:
-    """Size of 1-based part ``part_number``: doubles every 1000 parts so that S3's 10 000-part
-    limit never caps an object (16 MiB parts: the first 16 GiB, then 32 MiB parts...)."""
-    return min(base << ((part_number - 1) // 1000), _S3_MAX_PART_BYTES)
-
-
-class _Chunker:
-    """Re-chunks the caller's buffers into upload parts, as ``bytes`` (see :meth:`take`)."""
-
-    def __init__(self, parts: Iterable[Buffer]) -> None:
-        # A list or tuple is held whole by the caller, who waits in write_file: its buffers stay
-        # valid, so a part can be joined straight from them. Any other iterable is a producer
-        # that may reuse a buffer once it has yielded it: what a part holds of it is copied
-        # before the next one is asked for.
-        self._stable = isinstance(parts, (list, tuple))
-        self._it: Iterator[Buffer] = iter(parts)
-        self._pending = memoryview(b"")
-        self.total = 0
-
-    def _refill(self) -> bool:
-        while not len(self._pending):
-            nxt = next(self._it, None)
-            if nxt is None:
-                return False
-            self._pending = memoryview(nxt).cast("B")
-        return True
-
-    def take(self, size: int) -> bytes | None:
-        """The next ``size`` bytes (fewer at the end); None when the stream is exhausted.
-
-        ``bytes``, built by one copy (a join: no zero-filled buffer first): aiohttp sends a
-        bytes body as it is, but copies a bytearray once more (it slices the body to its
-        length), and botocore refuses a memoryview. A part spanning several buffers of a
-        producer costs a second copy."""
-        pieces: list[Buffer] = []
-        filled = 0
-        while filled < size and self._refill():
-            k = min(size - filled, len(self._pending))
-            piece = self._pending[:k]
-            pieces.append(piece if self._stable else bytes(piece))
-            self._pending = self._pending[k:]
-            filled += k
-        if not pieces:
-            return None
-        self.total += filled
-        first = pieces[0]
-        return first if len(pieces) == 1 and isinstance(first, bytes) else b"".join(pieces)
-
-    def at_end(self) -> bool:
-        return not self._refill()
-
 
 class S3Objects:
     """The S3 side of :class:`ckptd.storage.fsspec_backend.FsspecStorage` (keys, not paths)."""
@@ -153,8 +107,8 @@ class S3Objects:
         self._run(self._call("put_object", key, "PUT", Bucket=self.bucket, Key=key, Body=data))
 
     def write_file(self, key: str, parts: Iterable[Buffer]) -> int:
-        chunks = _Chunker(parts)
-        upload: _Upload | None = None
+        chunks = Chunker(parts)
+        upload: Upload | None = None
         inflight: list[concurrent.futures.Future[dict[str, Any]]] = []
         # A slot is taken before a part buffer is filled and freed when its upload ends, so all
         # threads together hold at most `concurrency` part buffers.
@@ -172,19 +126,19 @@ class S3Objects:
                 key,
                 "start upload",
             ))
-            upload = _Upload(created["UploadId"])
+            upload = Upload(created["UploadId"])
             number = 1
             while body is not None and not upload.failed.is_set():
                 inflight.append(self._submit_part(key, upload, number, body))
                 holding, body = False, None
                 number += 1
-                if number > _S3_MAX_PARTS:
-                    raise StorageError(f"{self.url(key)}: object exceeds {_S3_MAX_PARTS} parts")
+                if number > MAX_PARTS:
+                    raise StorageError(f"{self.url(key)}: object exceeds {MAX_PARTS} parts")
                 self._part_slots.acquire()
                 holding = True
                 body = chunks.take(part_size(number, self.transfer.part_bytes))
             concurrent.futures.wait(inflight)
-            error = _first_error(inflight)
+            error = first_error(inflight)
             if error is not None:
                 raise error
             parts_done = [f.result() for f in inflight]
@@ -204,7 +158,7 @@ class S3Objects:
                 self._part_slots.release()
 
     def _submit_part(
-        self, key: str, upload: _Upload, number: int, body: bytes
+        self, key: str, upload: Upload, number: int, body: bytes
     ) -> concurrent.futures.Future[dict[str, Any]]:
         fut = asyncio.run_coroutine_threadsafe(
             self._upload_part(key, upload, number, body), self._loop
@@ -219,10 +173,10 @@ class S3Objects:
         return fut
 
     async def _upload_part(
-        self, key: str, upload: _Upload, number: int, body: bytes
+        self, key: str, upload: Upload, number: int, body: bytes
     ) -> dict[str, Any]:
         if upload.failed.is_set():
-            raise _Skipped()
+            raise Skipped()
         resp: dict[str, Any] = await self._retrying(
             lambda c: c.upload_part(
                 Bucket=self.bucket, Key=key, UploadId=upload.upload_id, PartNumber=number,
@@ -298,50 +252,26 @@ class S3Objects:
     async def _abort_all(self, prefix: str, min_age_s: float) -> int:
         now = time.time()
         doomed = [(k, u) for k, u, t in await self._list_uploads(prefix) if now - t >= min_age_s]
-        await _all_or_cancel([self._abort(k, u) for k, u in doomed])
+        await all_or_cancel([self._abort(k, u) for k, u in doomed])
         return len(doomed)
 
     # -- reads ---------------------------------------------------------------------------------
 
     def read_bytes(self, key: str) -> bytes:
-        return self._run(self._get(key, None))
-
-    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        return self._run(self._read_ranges(key, ranges))
-
-    async def _read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        step = self.transfer.part_bytes
-        pieces: list[list[tuple[int, int]]] = [
-            [(o, min(step, offset + length - o)) for o in range(offset, offset + length, step)]
-            for offset, length in ranges
-        ]
-        flat = [p for per_range in pieces for p in per_range]
-        got = iter(await _all_or_cancel([self._get(key, p) for p in flat]))
-        return [b"".join(next(got) for _ in per_range) for per_range in pieces]
-
-    async def _get(self, key: str, rng: tuple[int, int] | None) -> bytes:
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
-        if rng is not None:
-            kw["Range"] = f"bytes={rng[0]}-{rng[0] + rng[1] - 1}"
+        """The whole object: one GET (botocore checks the object's full CRC32, when S3 has one)."""
 
         async def get(client: Any) -> bytes:
-            resp = await client.get_object(**kw)
+            resp = await client.get_object(Bucket=self.bucket, Key=key)
             async with resp["Body"] as body:
                 data: bytes = await body.read()
                 return data
 
-        action = "GET" if rng is None else f"GET bytes {rng[0]}+{rng[1]}"
-        try:
-            data = await self._retrying(get, key, action)
-        except StorageError as e:
-            if retry.code(e.__cause__) == "InvalidRange" and rng is not None:
-                raise EOFError(f"{self.url(key)}: range {rng[0]}+{rng[1]} beyond the end") from e
-            raise
-        if rng is not None and len(data) != rng[1]:
-            raise EOFError(
-                f"{self.url(key)}: wanted {rng[1]} bytes at offset {rng[0]}, got {len(data)}"
-            )
-        return data
+        return self._run(self._retrying(get, key, "GET"))
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
+        """One exact-size buffer per range, filled by concurrent ranged GETs of about
+        ``read_part_bytes`` each (:mod:`ckptd.storage.s3_read`)."""
+        return self._run(s3_read.read_ranges(self, key, ranges))
 
     def size(self, key: str) -> int:
         head = self._run(self._call("head_object", key, "HEAD", Bucket=self.bucket, Key=key))
@@ -370,7 +300,7 @@ class S3Objects:
         if key:
             keys.append(key)
         batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]  # the API maximum
-        await _all_or_cancel([self._delete(key, batch) for batch in batches])
+        await all_or_cancel([self._delete(key, batch) for batch in batches])
 
     async def _delete(self, key: str, batch: list[str]) -> None:
         resp = await self._call(
@@ -402,22 +332,6 @@ class S3Objects:
             kw["ContinuationToken"] = page["NextContinuationToken"]
 
 
-@dataclasses.dataclass
-class _Upload:
-    upload_id: str
-    failed: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-
-class _Skipped(Exception):
-    """A part not uploaded because another part of the same upload had already failed."""
-
-
-def _first_error(futures: Sequence[concurrent.futures.Future[Any]]) -> BaseException | None:
-    errors = [f.exception() for f in futures]
-    real = [e for e in errors if e is not None and not isinstance(e, _Skipped)]
-    return real[0] if real else next((e for e in errors if e is not None), None)
-
-
 class _WithDefaults:
     """The client, with s3fs's per-request defaults (``s3_additional_kwargs``, requester pays)
     merged into every call, as s3fs itself does."""
@@ -444,21 +358,6 @@ class _WithDefaults:
         config = getattr(getattr(self._client, "meta", None), "config", None)
         when = getattr(config, "request_checksum_calculation", None) or "when_supported"
         return {"ChecksumAlgorithm": "CRC32"} if when == "when_supported" else {}
-
-
-async def _all_or_cancel(coros: Sequence[Awaitable[T]]) -> list[T]:
-    """Run concurrently; on the first failure cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return []
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
-    if failed is not None:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise failed.exception()  # type: ignore[misc]
-    return [t.result() for t in tasks]
 
 
 def _dir_prefix(key: str) -> str:
