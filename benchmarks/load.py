@@ -153,7 +153,6 @@ def _load_rank(rank: int, world: int, method: str, path: str, specs: list[Any], 
 
     import ckptd
     from ckptd import config
-    from ckptd.reshard import tuning
     from ckptd.reshard.load import last_stats
 
     torch.set_num_threads(1)
@@ -190,7 +189,7 @@ def _load_rank(rank: int, world: int, method: str, path: str, specs: list[Any], 
         assert ck is not None
         cfg = {k: v for k, v in knobs.items() if k == "load_budget_bytes"}
         tun = {k: v for k, v in knobs.items() if k in ("read_once", "local_hold_bytes")}
-        with tuning.override(**tun), config.override(**cfg):
+        with config.override(**tun), config.override(**cfg):
             ck.load(tree, step=1, strict=False)
         stats = last_stats()
         ck.close()

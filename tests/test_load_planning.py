@@ -21,7 +21,6 @@ from ckptd import config
 from ckptd.manifest import Chunk, Frame, Manifest, TensorEntry
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
-from ckptd.reshard import tuning
 from ckptd.reshard.load import last_stats
 from ckptd.reshard.plan import Read, coalesce, frame_intervals, plan_load
 from ckptd.sharding import Piece
@@ -102,17 +101,17 @@ def test_small_tensors_of_a_file_are_fetched_in_one_range(tmp_path: Any) -> None
     state = {f"n{i:02d}": torch.full((100,), float(i)) for i in range(20)}
     _save(root, state)
     # 400-byte tensors at 64-byte alignment: 48-byte gaps between them
-    for gap, want in ((0, 20), (48, 1), (tuning.get().gap_bytes, 1)):
+    for gap, want in ((0, 20), (48, 1), (config.get().gap_bytes, 1)):
         dst = {k: torch.zeros(100) for k in state}
-        with tuning.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
+        with config.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
             ck.load(dst)
         stats = last_stats()
         assert stats is not None and stats.planned_ranges == want
         assert all(torch.equal(dst[k], state[k]) for k in state)
     # every other tensor (slots of 448 bytes): 10 ranges unless a 496-byte gap is allowed
     half = {k: torch.zeros(100) for k in list(state)[::2]}
-    for gap, want in ((495, 10), (496, 1), (tuning.get().gap_bytes, 1)):
-        with tuning.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
+    for gap, want in ((495, 10), (496, 1), (config.get().gap_bytes, 1)):
+        with config.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
             ck.load(half, strict=False)
         assert last_stats().planned_ranges == want  # type: ignore[union-attr]
 
@@ -176,7 +175,7 @@ def test_a_load_over_budget_holds_at_most_the_budget_of_read_buffers(
         _save(root, state, compression=compression)
     budget = 512 << 10
     dst = {k: torch.zeros_like(v) for k, v in state.items()}
-    with config.override(load_budget_bytes=budget), tuning.override(unit_bytes=128 << 10), \
+    with config.override(load_budget_bytes=budget), config.override(unit_bytes=128 << 10), \
             ckptd.Checkpointer(root) as ck:
         tracemalloc.start()
         try:
@@ -212,7 +211,7 @@ def test_a_remote_load_reads_larger_ranges_and_still_holds_at_most_the_budget(
             _save(root, state)
     planned = {}
     with config.override(load_budget_bytes=budget), \
-            tuning.override(unit_bytes=128 << 10, remote_unit_bytes=1 << 20):
+            config.override(unit_bytes=128 << 10, remote_unit_bytes=1 << 20):
         buffers = Buffers(budget)
         assert unit_bytes(LocalStorage(str(tmp_path)), buffers) == 128 << 10
         assert unit_bytes(FsspecStorage(remote), buffers) == budget // 4  # capped by the budget
@@ -259,7 +258,7 @@ def test_a_corrupt_frame_found_in_the_verify_pass_leaves_the_destination_untouch
         f.seek(chunk.offset + chunk.length - 3)
         f.write(b"\x00\x01\x02")
     dst = {k: torch.full_like(v, -1.0) for k, v in state.items()}
-    with config.override(load_budget_bytes=256 << 10), tuning.override(unit_bytes=64 << 10), \
+    with config.override(load_budget_bytes=256 << 10), config.override(unit_bytes=64 << 10), \
             ckptd.Checkpointer(root) as ck:
         with pytest.raises(ckptd.CorruptCheckpoint, match=rf"{chunk.file}: t3: checksum"):
             ck.load(dst)
@@ -285,7 +284,7 @@ def test_plan_reads_each_element_once_from_overlapping_copies() -> None:
 def _read_once_worker(rank: int, world: int, root: str, bad_root: str) -> dict[str, Any]:
     ref = {"shared": torch.arange(4096.0), "own": torch.arange(300.0)}
     out: dict[str, Any] = {}
-    with tuning.override(read_once="on"), ckptd.Checkpointer(root) as ck:
+    with config.override(read_once="on"), ckptd.Checkpointer(root) as ck:
         dst = {"shared": torch.zeros(4096),
                "own": ckptd.Shard(torch.zeros(100), (300,), (100 * rank,))}
         ck.load(dst)
@@ -353,7 +352,7 @@ def test_the_copy_pass_reads_frames_into_the_destination_bit_exact(
         w = torch.zeros(7, hi - lo).t() if transposed else torch.zeros(hi - lo, 7)
         dst = {"w": ckptd.Shard(w, (50, 7), (lo, 0)), "h": torch.zeros(31).half(),
                "b": torch.zeros(9, dtype=torch.bool), "s": torch.tensor(0.0, dtype=torch.float64)}
-        with tuning.override(local_hold_bytes=0), ckptd.Checkpointer(str(tmp_path)) as ck:
+        with config.override(local_hold_bytes=0), ckptd.Checkpointer(str(tmp_path)) as ck:
             ck.load(dst)
         stats = last_stats()
         assert stats is not None and stats.passes == 2 and stats.reread.frames > 0

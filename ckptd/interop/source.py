@@ -30,7 +30,7 @@ from ckptd.writer import commit as C
 # Bytes of a tensor read and written at a time by the exporters (whole rows). An export holds
 # about three slabs at once — the one being read, the loader's read buffers for it, the previous
 # one still in the writer's hands — plus a cast copy with a dtype change. 8 MiB is the loader's
-# read unit (ckptd.reshard.tuning.unit_bytes), large enough for sequential disk speed.
+# read unit (ckptd.config unit_bytes), large enough for sequential disk speed.
 SLAB_BYTES = 8 << 20
 
 

@@ -9,7 +9,7 @@ Loading (every load reshards):
 - :mod:`.direct` — whole raw frames read straight into contiguous destination memory;
 - :mod:`.read_once` — pieces several ranks need, read by one and broadcast;
 - :mod:`.load` — the load itself: check, plan, verify pass, agreement, copy pass;
-- :mod:`.verify` — ``ckptd verify``; :mod:`.tuning` — the tunables and why.
+- :mod:`.verify` — ``ckptd verify``. The tunables, and why, are in :mod:`ckptd.config`.
 
 The offline reshard (``ckptd reshard``, ``ckptd layout``):
 

@@ -12,7 +12,6 @@ from typing import Any
 from ckptd import config
 from ckptd.cli import _human, _progress, _table, open_ckpt
 from ckptd.manifest import Manifest
-from ckptd.reshard import tuning
 from ckptd.reshard.infer import infer_layout
 from ckptd.reshard.layout_file import LayoutSpec, dumps, read_layout
 from ckptd.reshard.offline import RankReport, Resharder
@@ -103,7 +102,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         storage, step, manifest, assignment,
         budget=args.budget or config.get().load_budget_bytes,
         threads=args.threads or config.io_threads(),
-        replicate_small=tuning.get().replicate_small_bytes,
+        replicate_small=config.get().replicate_small_bytes,
         compression=args.compression)
     total = sum(p.write_bytes for p in resharder.plans)
     bar = _progress(total, "plan" if args.dry_run else "reshard")

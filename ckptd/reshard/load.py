@@ -32,7 +32,7 @@ import torch
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
-from ckptd.reshard import direct, read_once, tuning
+from ckptd.reshard import direct, read_once
 from ckptd.reshard.plan import LoadPlan, Range, plan_load, source_view
 from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, run_ranges
 from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
@@ -110,7 +110,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
 
 def gap_bytes(storage: Storage) -> int:
     """The coalescing gap for this storage (a remote store pays more per request)."""
-    t = tuning.get()
+    t = config.get()
     return t.remote_gap_bytes if "://" in storage.url else t.gap_bytes
 
 
@@ -120,7 +120,7 @@ def unit_bytes(storage: Storage, buffers: Buffers) -> int:
     one buffer of its exact length, reserved as such, so the budget still bounds the load)."""
     if "://" not in storage.url:
         return buffers.unit
-    return max(buffers.unit, min(tuning.get().remote_unit_bytes, buffers.limit // 4))
+    return max(buffers.unit, min(config.get().remote_unit_bytes, buffers.limit // 4))
 
 
 def make_plan(storage: Storage, manifest: Manifest, pieces: list[Piece], rank: int | None,
@@ -133,9 +133,9 @@ def kept_suffix(ranges: list[Range], buffers: Buffers, threads: int, remote: boo
     """Indices of the ranges whose data the verify pass keeps for the copy pass.
 
     Remote storage: all when they fit the budget, else the longest suffix that leaves room for
-    ``threads`` ranges in flight. Local: all or nothing (``tuning.local_hold_bytes``)."""
+    ``threads`` ranges in flight. Local: all or nothing (``config.local_hold_bytes``)."""
     costs = [buffers.cost(r) for r in ranges]
-    room = buffers.limit if remote else min(buffers.limit, tuning.get().local_hold_bytes)
+    room = buffers.limit if remote else min(buffers.limit, config.get().local_hold_bytes)
     if sum(costs) <= room:
         return set(range(len(ranges)))
     if not remote:

@@ -1,7 +1,7 @@
 """Read-once: a destination piece that several ranks need (the same box of a logical tensor:
 replicated tensors, TP-replicated norms, DP replicas) is read by one of them and broadcast.
 
-Off by default (``tuning.read_once``): measured on one node with a local disk, the page cache
+Off by default (``config.read_once``): measured on one node with a local disk, the page cache
 already serves every reader after the first, and the broadcast costs more than it saves
 (``docs/loading.md``). It is meant for shared filesystems and object stores, where each byte
 read costs storage bandwidth that the ranks share.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ckptd.reshard import tuning
+from ckptd import config
 from ckptd.reshard.reader import Buffers
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -33,7 +33,7 @@ def key_of(p: Piece) -> Key:
 
 
 def enabled(storage: Storage) -> bool:
-    mode = tuning.get().read_once
+    mode = config.get().read_once
     if mode not in ("off", "on", "remote"):
         raise ValueError(f"read_once must be 'off', 'on' or 'remote', got {mode!r}")
     return mode == "on" or (mode == "remote" and "://" in storage.url)
@@ -59,7 +59,7 @@ class Sharing:
         return [p for p in pieces if key_of(p) not in skip]
 
     def batches(self) -> list[tuple[int, list[Item]]]:
-        cap = tuning.get().unit_bytes
+        cap = config.get().unit_bytes
         out: list[tuple[int, list[Item]]] = []
         for it in sorted(self.items, key=lambda it: (it.owner, it.key)):
             if out and out[-1][0] == it.owner and sum(x.nbytes for x in out[-1][1]) + it.nbytes \

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptd import config
 from ckptd.errors import CorruptCheckpoint
-from ckptd.reshard import tuning
 from ckptd.reshard.plan import Range, Read
 from ckptd.storage import LocalStorage, Storage
 from ckptd.writer import codecs
@@ -42,7 +42,7 @@ class Buffers:
         self.limit = max(1, int(limit))
         # the read unit, and the pooled buffer size: at most a quarter of the budget, so that
         # several ranges are in flight even under a small budget
-        self.unit = unit or max(4096, min(tuning.get().unit_bytes, self.limit // 4))
+        self.unit = unit or max(4096, min(config.get().unit_bytes, self.limit // 4))
         self.reserved = 0
         self.allocated = 0  # bytes of live buffers, pooled idle ones included
         self.peak = 0
