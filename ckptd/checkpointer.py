@@ -332,11 +332,12 @@ class Checkpointer:
         torch.distributed.checkpoint directory (its pickled ``.metadata`` is only read with
         ``trust=True``)."""
         self._check_open()
-        from ckptd.interop.dcp import load_from_dcp  # lazy: only DCP sources need it
+        if source is not None or self.storage.exists(L.DCP_METADATA):
+            from ckptd.interop.dcp import load_from_dcp  # lazy: only DCP sources need it
 
-        dcp = load_from_dcp(self, state, source=source, step=step, strict=strict, trust=trust)
-        if dcp is not None:
-            return dcp
+            dcp = load_from_dcp(self, state, source=source, step=step, strict=strict, trust=trust)
+            if dcp is not None:
+                return dcp
         if step is None:
             step = self._agreed_latest()
             if step is None:

@@ -175,20 +175,25 @@ def test_a_load_over_budget_holds_at_most_the_budget_of_read_buffers(
         _save(root, state, compression=compression)
     budget = 512 << 10
     dst = {k: torch.zeros_like(v) for k, v in state.items()}
-    with config.override(load_budget_bytes=budget), config.override(unit_bytes=128 << 10), \
-            ckptd.Checkpointer(root) as ck:
-        tracemalloc.start()
-        try:
-            ck.load(dst)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+    with config.override(load_budget_bytes=budget, unit_bytes=128 << 10):
+        peak = _traced_load(root, dst)
     stats = last_stats()
     assert stats is not None and stats.passes == 2
     assert 0 < stats.peak_buffer_bytes <= budget
     assert peak <= budget + PLAN_ALLOWANCE, f"traced peak {peak} over a budget of {budget}"
     assert all(torch.equal(dst[k], state[k]) for k in state)
     assert stats.needed_bytes == 8 << 20 and stats.reads.frames >= 2 * 128
+
+
+def _traced_load(root: str, dst: dict[str, torch.Tensor]) -> int:
+    """Load ``dst`` from ``root``; the peak of Python-traced memory during the load."""
+    with ckptd.Checkpointer(root) as ck:
+        tracemalloc.start()
+        try:
+            ck.load(dst)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
 
 
 def test_a_remote_load_reads_larger_ranges_and_still_holds_at_most_the_budget(
@@ -210,20 +215,14 @@ def test_a_remote_load_reads_larger_ranges_and_still_holds_at_most_the_budget(
         with config.override(frame_bytes=64 << 10):
             _save(root, state)
     planned = {}
-    with config.override(load_budget_bytes=budget), \
-            config.override(unit_bytes=128 << 10, remote_unit_bytes=1 << 20):
+    with config.override(load_budget_bytes=budget, unit_bytes=128 << 10,
+                         remote_unit_bytes=1 << 20):
         buffers = Buffers(budget)
         assert unit_bytes(LocalStorage(str(tmp_path)), buffers) == 128 << 10
         assert unit_bytes(FsspecStorage(remote), buffers) == budget // 4  # capped by the budget
         for root in (str(tmp_path), remote):
             dst = {k: torch.zeros_like(v) for k, v in state.items()}
-            with ckptd.Checkpointer(root) as ck:
-                tracemalloc.start()
-                try:
-                    ck.load(dst)
-                    _, peak = tracemalloc.get_traced_memory()
-                finally:
-                    tracemalloc.stop()
+            peak = _traced_load(root, dst)
             stats = last_stats()
             assert stats is not None and 0 < stats.peak_buffer_bytes <= budget
             assert peak <= budget + PLAN_ALLOWANCE, f"{root}: traced peak {peak} over {budget}"

@@ -32,10 +32,11 @@ from typing import IO, Any, cast
 import torch
 
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.storage import Storage
 
-METADATA = ".metadata"
+METADATA = L.DCP_METADATA
 
 
 class UntrustedPickle(CkptdError, PermissionError):

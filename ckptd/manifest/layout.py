@@ -21,6 +21,9 @@ import re
 MANIFEST = "manifest.json"
 LATEST = "latest"
 OWNER = "owner.json"
+# Not ckptd's: the index of a torch.distributed.checkpoint directory, which a root or a
+# ``source=`` may be (ckptd/interop loads it).
+DCP_METADATA = ".metadata"
 METRICS = "metrics.jsonl"
 FAILED = "FAILED"
 
