@@ -44,7 +44,8 @@ ROWS, COLS = 96, 192  # every 2-d tensor; rows split over 2 ranks, columns over 
 
 @pytest.fixture(autouse=True)
 def small_files() -> Iterator[None]:
-    """Several data files per save (each multipart at 64 KiB parts), many frames per chunk."""
+    """Several data files per save (~100 KiB: multipart at 64 KiB parts with
+    ``single_put_parts=1``, else one PUT each), many frames per chunk."""
     with config.override(min_file_bytes=96 << 10, frame_bytes=16 << 10, commit_timeout_s=60.0):
         yield
 
@@ -167,11 +168,14 @@ def read_latest(bucket: S3Bucket) -> str:
 # ----------------------------------------------------------------------------- save / load
 
 
+@pytest.mark.parametrize("single_put_parts", [1, 8], ids=["multipart", "single-put"])
 def test_twenty_cycles_under_ten_percent_faults_commit_and_load_bit_exact(
-    s3_bucket: S3Bucket, proxy: FaultProxy
+    s3_bucket: S3Bucket, proxy: FaultProxy, single_put_parts: int
 ) -> None:
-    # several GETs per read range (16 KiB each), so that faults hit them too
-    storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8, read_part_bytes=16 << 10)
+    # several GETs per read range (16 KiB each), so that faults hit them too; data files of
+    # ~100 KiB are multipart uploads of 64 KiB parts, or (8 parts' worth: the default) one PUT
+    storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8, read_part_bytes=16 << 10,
+                                single_put_parts=single_put_parts)
     proxy.set_faults(0.10, kinds=("500", "503", "reset", "truncate"))
     with checkpointer(storage, keep_last=3) as ck:
         for step in range(1, 21):
@@ -192,8 +196,9 @@ def test_twenty_cycles_under_ten_percent_faults_commit_and_load_bit_exact(
     assert uploads(s3_bucket) == []  # every upload completed or was aborted
     client = s3_bucket.client()
     data = [k for k in objects(s3_bucket, L.step_dir(20)) if "/data/" in k]
-    for key in data:  # ... each a multipart upload
-        assert "-" in client.head_object(Bucket="ckptd-test", Key=f"run/{key}")["ETag"], key
+    for key in data:  # ... each a multipart upload, or a single PUT (no part count in its ETag)
+        etag = client.head_object(Bucket="ckptd-test", Key=f"run/{key}")["ETag"]
+        assert ("-" in etag) == (single_put_parts == 1), key
 
 
 def test_latest_is_advisory_the_newest_committed_step_is_found_by_listing(
@@ -262,6 +267,7 @@ def _save_requests(s3_bucket: S3Bucket, proxy: FaultProxy, ck: ckptd.Checkpointe
     return seen
 
 
+@pytest.mark.parametrize("single_put_parts", [1, 8], ids=["multipart", "single-put"])
 @pytest.mark.parametrize(
     ("point", "kind", "failing_object"),
     [
@@ -271,16 +277,25 @@ def _save_requests(s3_bucket: S3Bucket, proxy: FaultProxy, ck: ckptd.Checkpointe
     ],
 )
 def test_an_outage_mid_save_fails_it_naming_the_object_and_the_previous_step_stays_newest(
-    s3_bucket: S3Bucket, proxy: FaultProxy, point: str, kind: str, failing_object: str
+    s3_bucket: S3Bucket, proxy: FaultProxy, point: str, kind: str, failing_object: str,
+    single_put_parts: int,
 ) -> None:
-    storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=3)
+    storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=3,
+                                single_put_parts=single_put_parts)
     with checkpointer(storage, keep_last=0) as ck:  # no retention requests in between
         requests = _save_requests(s3_bucket, proxy, ck)
         # a save writes its data objects, then its partial, then the manifest (the commit)
         partial = next(i for i, r in enumerate(requests) if "/ranks/" in r)
         manifest = next(i for i, r in enumerate(requests) if r.endswith("/manifest.json"))
-        assert partial < manifest and partial > 4
+        assert partial < manifest
         assert all("/data/" in r for r in requests[:partial])
+        files = {r.split(" ")[1].split("?")[0] for r in requests[:partial]}
+        parts = [r for r in requests[:partial] if "partNumber=" in r]
+        if single_put_parts == 1:  # data files of ~100 KiB: 2 parts of 64 KiB, or more
+            assert len(parts) >= 2 * len(files) and partial > 4
+        else:  # the same files, each one PUT
+            assert parts == [] and partial == len(files) >= 2
+            assert all(r.startswith("PUT ") for r in requests[:partial])
         after = {"first request": 0, "mid-data": partial // 2, "partial manifest": partial}[point]
 
         proxy.fail_all(after=after, kind=kind)
@@ -571,7 +586,8 @@ def test_cli_ls_inspect_verify_finalize_gc_on_s3(s3_bucket: S3Bucket, proxy: Fau
 
     # A failed save (S3 unreachable mid-upload, even for the abort) leaves step 4's objects and
     # an incomplete upload behind; step 5 then commits.
-    with checkpointer(s3_bucket.storage(proxy.endpoint_url, max_attempts=2), keep_last=0) as ck:
+    storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=2, single_put_parts=1)
+    with checkpointer(storage, keep_last=0) as ck:  # data files as multipart uploads
         proxy.fail_all(after=3, kind="reset")  # no data file completes (each takes 4 requests)
         with pytest.raises(StorageError, match=f"{L.step_dir(4)}/data/"):
             ck.save(full_state(4))

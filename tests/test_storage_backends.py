@@ -189,16 +189,85 @@ class TestS3:
         storage.put_atomic("latest", b"7")
         assert keys(s3_bucket) == ["run/latest"]
 
-    def test_large_objects_are_multipart_and_small_ones_a_single_put(
-        self, s3_bucket: S3Bucket
+    def test_objects_up_to_single_put_parts_are_one_put_and_larger_ones_multipart(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy
     ) -> None:
-        storage = s3_bucket.storage()
-        storage.write_file("big.bin", [payload(5 * PART + 1)])
-        storage.write_file("one.bin", [payload(PART)])
+        assert S3Transfer().single_put_parts == 8  # 128 MiB with the default 16 MiB parts
+        storage = s3_bucket.storage(proxy.endpoint_url)  # 64 KiB parts: single PUTs to 512 KiB
         client = s3_bucket.client()
-        assert client.head_object(Bucket="ckptd-test", Key="run/big.bin")["ETag"].endswith('-6"')
+        eight = [payload(3 * PART), bytearray(payload(5 * PART, seed=1))]
+        cases: list[tuple[str, Any, bytes, int, str]] = [
+            # name, buffers, content, requests, ETag suffix ("": one PUT, "-N": N parts)
+            ("eight.bin", eight, b"".join(eight), 1, ""),
+            ("nine.bin", [payload(8 * PART + 1)], payload(8 * PART + 1), 1 + 9 + 1, "-9"),
+            ("empty.bin", [], b"", 1, ""),
+            # a producer's size is not known in advance: multipart once it exceeds one part
+            ("gen.bin", iter([payload(2 * PART)]), payload(2 * PART), 1 + 2 + 1, "-2"),
+            ("gen1.bin", iter([payload(PART)]), payload(PART), 1, ""),
+        ]
+        for name, buffers, content, requests, suffix in cases:
+            before = proxy.counts["forwarded"]
+            assert storage.write_file(name, buffers) == len(content)
+            assert proxy.counts["forwarded"] - before == requests, name
+            etag = client.head_object(Bucket="ckptd-test", Key=f"run/{name}")["ETag"]
+            assert etag.endswith(f'{suffix}"') if suffix else "-" not in etag, (name, etag)
+            assert storage.read_bytes(name) == content
+        # single_put_parts=1: only an object that fits in one part is a PUT (the old rule)
+        one = s3_bucket.storage(single_put_parts=1)
+        one.write_file("six.bin", [payload(5 * PART + 1)])
+        one.write_file("one.bin", [payload(PART)])
+        assert client.head_object(Bucket="ckptd-test", Key="run/six.bin")["ETag"].endswith('-6"')
         assert "-" not in client.head_object(Bucket="ckptd-test", Key="run/one.bin")["ETag"]
         assert uploads_in_progress(s3_bucket) == []
+
+    @pytest.mark.parametrize("kind", ["reset", "500"])
+    def test_a_retried_single_put_sends_the_whole_body_again(
+        self, s3_bucket: S3Bucket, proxy: FaultProxy, kind: str
+    ) -> None:
+        """The body is a file object that an attempt reads to its end; the next attempt must
+        send (and checksum, and sign) it from the start again."""
+        storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=4)
+        data = payload(6 * PART + 5)
+        failed: list[str] = []
+
+        def first_two_puts(req: Request) -> bool:
+            if req.method == "PUT" and len(failed) < 2:
+                failed.append(req.path)
+                return True
+            return False
+
+        proxy.fail_all(kind=kind, match=first_two_puts)
+        assert storage.write_file("again.bin", [memoryview(data)]) == len(data)
+        proxy.heal()
+        assert failed == ["/ckptd-test/run/again.bin"] * 2 and proxy.counts[kind] == 2
+        assert storage.read_bytes("again.bin") == data
+        assert "-" not in s3_bucket.client().head_object(
+            Bucket="ckptd-test", Key="run/again.bin")["ETag"]
+
+    def test_bodies_beyond_the_memory_budget_wait_for_each_other_and_all_land(
+        self, s3_bucket: S3Bucket
+    ) -> None:
+        """concurrency x part_bytes bounds the bodies held at once (here 2 parts' worth); a
+        single PUT of 6 parts exceeds it, and goes when nothing else is held."""
+        storage = s3_bucket.storage(concurrency=2)
+        datas = {f"d/{i}.bin": payload(6 * PART + i, seed=i) for i in range(3)}
+        datas["d/mp.bin"] = payload(11 * PART, seed=9)  # multipart, 2 parts in flight at most
+        errors: list[BaseException] = []
+
+        def write(path: str) -> None:
+            try:
+                storage.write_file(path, [datas[path]])
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(p,)) for p in datas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        for path, data in datas.items():
+            assert storage.read_bytes(path) == data
 
     def test_a_failing_producer_aborts_the_upload(self, s3_bucket: S3Bucket) -> None:
         def parts() -> Iterator[bytes]:

@@ -12,7 +12,7 @@ at all, so ``manifest.json`` written last by one PUT is the commit (there is no 
 Example::
 
     storage = FsspecStorage("s3://bucket/run1", {"client_kwargs": {"endpoint_url": url}})
-    storage.write_file("data/0/a.bin", [buf1, buf2])     # multipart upload above 16 MiB
+    storage.write_file("data/0/a.bin", [buf1, buf2])     # multipart upload above 128 MiB
     storage.put_atomic("000100/manifest.json", b"{...}")  # the commit
 """
 
@@ -46,12 +46,20 @@ class S3Transfer:
     # Upload part size. S3 requires >= 5 MiB for every part but the last. 16 MiB amortises
     # per-request overhead (~10-30 ms on S3) while keeping buffered memory bounded.
     part_bytes: int = 16 << 20
+    # An object of known size up to `single_put_parts` x `part_bytes` (128 MiB) is one PUT, not
+    # a multipart upload (S3 takes up to 5 GB in one PUT). Data files of a rank under ~1 GiB
+    # (>= 64 MiB each, `min_file_bytes`) are then 1 request instead of 2 + size/part_bytes, and
+    # there is no CompleteMultipartUpload to wait for; the bandwidth comes from the files written
+    # in parallel. docs/storage.md, "Tuning saves to S3", has the measurements. 1: only an
+    # object that fits one part is a PUT.
+    single_put_parts: int = 8
     # Ranged-GET unit: a read range is fetched by max(1, length // read_part_bytes) concurrent
     # GETs of equal size. 64 MiB: docs/storage.md, "Tuning loads from S3", has the measurements.
     read_part_bytes: int = 64 << 20
     # Requests in flight per storage object (all threads together); also bounds upload buffers:
-    # at most `concurrency` parts (16 x 16 MiB = 256 MiB) are held at once. One S3 connection
-    # carries ~50-100 MB/s, so 16 connections approach the NIC of a typical training node.
+    # at most `concurrency` x `part_bytes` (16 x 16 MiB = 256 MiB) of bodies are held at once.
+    # One S3 connection carries ~50-100 MB/s, so 16 connections approach the NIC of a typical
+    # training node.
     concurrency: int = 16
     # Attempts per request (first try included), and the backoff: before retry n a uniformly random
     # wait in [0, min(max_delay_s, base_delay_s * 2**(n-1))] ("full jitter"). With the defaults a
@@ -61,7 +69,9 @@ class S3Transfer:
     max_delay_s: float = 20.0
 
     def __post_init__(self) -> None:
-        if min(self.part_bytes, self.read_part_bytes, self.concurrency, self.max_attempts) <= 0:
+        counts = (self.part_bytes, self.read_part_bytes, self.single_put_parts, self.concurrency,
+                  self.max_attempts)
+        if min(counts) <= 0:
             raise ValueError(f"S3Transfer: sizes and counts must be positive: {self}")
 
     @classmethod

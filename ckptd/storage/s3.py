@@ -4,11 +4,12 @@ Requests go through the aiobotocore client that s3fs builds from the user's ``st
 (credentials, endpoint, region, ``s3_additional_kwargs`` such as SSE), driven on fsspec's I/O event
 loop; callers are ordinary threads. The policy lives here, once per concern:
 
-- **Writes** (:meth:`S3Objects.write_file`) stream the caller's buffers into parts of
-  ``part_bytes`` (one copy each, so a producer may reuse a buffer after yielding it) and upload
-  up to ``concurrency`` parts at a time, each with the CRC32 that S3 verifies (declared on the
-  upload, see :meth:`_WithDefaults.checksum_algorithm`). An object that fits in one part is a
-  single PUT. On failure,
+- **Writes** (:meth:`S3Objects.write_file`): an object of known size up to
+  ``single_put_parts`` x ``part_bytes`` (128 MiB) is a single PUT; a larger one streams the
+  caller's buffers into parts of ``part_bytes`` (one copy each, so a producer may reuse a buffer
+  after yielding it) and uploads up to ``concurrency`` parts at a time, each with the CRC32 that
+  S3 verifies (declared on the upload, see :meth:`_WithDefaults.checksum_algorithm`). On
+  failure,
   parts not yet sent are dropped, the ones in flight are waited for, and the upload is aborted;
   if even the abort fails (S3 unreachable), :meth:`S3Objects.abort_incomplete_uploads`
   (``ckptd gc``) removes it later. Nothing is visible under the key until Complete succeeds.
@@ -24,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import io
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,11 +38,13 @@ from ckptd.storage.base import Buffer
 from ckptd.storage.s3_read import all_or_cancel
 from ckptd.storage.s3_write import (
     MAX_PARTS,
+    Budget,
     Chunker,
     Skipped,
     Upload,
     first_error,
     part_size,
+    rewound,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +60,7 @@ class S3Objects:
         self.bucket = bucket
         self.transfer = transfer
         self._requests = asyncio.Semaphore(transfer.concurrency)
-        self._part_slots = threading.BoundedSemaphore(transfer.concurrency)
+        self._bodies = Budget(transfer.concurrency * transfer.part_bytes)
         self._rng = random.Random()
 
     def url(self, key: str) -> str:
@@ -103,19 +106,28 @@ class S3Objects:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put(self, key: str, data: Buffer) -> None:
-        self._run(self._call("put_object", key, "PUT", Bucket=self.bucket, Key=key, Body=data))
+    def put(self, key: str, data: Buffer | io.BytesIO) -> None:
+        def request(c: Any) -> Awaitable[dict[str, Any]]:
+            body = rewound(data) if isinstance(data, io.BytesIO) else data
+            return c.put_object(Bucket=self.bucket, Key=key, Body=body)  # type: ignore[no-any-return]
+
+        self._run(self._retrying(request, key, "PUT"))
 
     def write_file(self, key: str, parts: Iterable[Buffer]) -> int:
         chunks = Chunker(parts)
+        first = part_size(1, self.transfer.part_bytes)
+        if chunks.known_size is not None and chunks.known_size <= (
+            self.transfer.single_put_parts * first
+        ):
+            first = max(chunks.known_size, 1)  # a small object of known size: one PUT
         upload: Upload | None = None
         inflight: list[concurrent.futures.Future[dict[str, Any]]] = []
-        # A slot is taken before a part buffer is filled and freed when its upload ends, so all
-        # threads together hold at most `concurrency` part buffers.
-        self._part_slots.acquire()
-        holding = True
+        # Budget is taken before a body is filled and given back when its request ends, so all
+        # threads together hold at most `concurrency` x `part_bytes` of bodies.
+        self._bodies.acquire(first)
+        held = first
         try:
-            body = chunks.take(part_size(1, self.transfer.part_bytes))
+            body = chunks.take(first)
             if body is None or chunks.at_end():
                 self.put(key, body if body is not None else b"")
                 return chunks.total
@@ -129,14 +141,15 @@ class S3Objects:
             upload = Upload(created["UploadId"])
             number = 1
             while body is not None and not upload.failed.is_set():
-                inflight.append(self._submit_part(key, upload, number, body))
-                holding, body = False, None
+                inflight.append(self._submit_part(key, upload, number, body, held))
+                held, body = 0, None
                 number += 1
                 if number > MAX_PARTS:
                     raise StorageError(f"{self.url(key)}: object exceeds {MAX_PARTS} parts")
-                self._part_slots.acquire()
-                holding = True
-                body = chunks.take(part_size(number, self.transfer.part_bytes))
+                size = part_size(number, self.transfer.part_bytes)
+                self._bodies.acquire(size)
+                held = size
+                body = chunks.take(size)
             concurrent.futures.wait(inflight)
             error = first_error(inflight)
             if error is not None:
@@ -154,11 +167,11 @@ class S3Objects:
                 raise StorageError(f"{e.args[0]}; {note}") from e.__cause__
             raise
         finally:
-            if holding:
-                self._part_slots.release()
+            if held:
+                self._bodies.release(held)
 
     def _submit_part(
-        self, key: str, upload: Upload, number: int, body: bytes
+        self, key: str, upload: Upload, number: int, body: io.BytesIO, held: int
     ) -> concurrent.futures.Future[dict[str, Any]]:
         fut = asyncio.run_coroutine_threadsafe(
             self._upload_part(key, upload, number, body), self._loop
@@ -167,20 +180,20 @@ class S3Objects:
         def finished(f: concurrent.futures.Future[dict[str, Any]]) -> None:
             if f.exception() is not None:
                 upload.failed.set()
-            self._part_slots.release()
+            self._bodies.release(held)
 
         fut.add_done_callback(finished)
         return fut
 
     async def _upload_part(
-        self, key: str, upload: Upload, number: int, body: bytes
+        self, key: str, upload: Upload, number: int, body: io.BytesIO
     ) -> dict[str, Any]:
         if upload.failed.is_set():
             raise Skipped()
         resp: dict[str, Any] = await self._retrying(
             lambda c: c.upload_part(
                 Bucket=self.bucket, Key=key, UploadId=upload.upload_id, PartNumber=number,
-                Body=body, **c.checksum_algorithm(),
+                Body=rewound(body), **c.checksum_algorithm(),
             ),
             key,
             f"upload part {number}",

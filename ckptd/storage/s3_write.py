@@ -1,10 +1,12 @@
-"""Helpers of S3 multipart uploads (:meth:`ckptd.storage.s3.S3Objects.write_file`): part
-sizes, re-chunking the caller's buffers into parts, and the state of one upload."""
+"""Helpers of S3 uploads (:meth:`ckptd.storage.s3.S3Objects.write_file`): part sizes,
+re-chunking the caller's buffers into request bodies, the memory budget of the bodies in flight,
+and the state of one multipart upload."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import io
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -22,14 +24,16 @@ def part_size(part_number: int, base: int) -> int:
 
 
 class Chunker:
-    """Re-chunks the caller's buffers into upload parts, as ``bytes`` (see :meth:`take`)."""
+    """Re-chunks the caller's buffers into request bodies (see :meth:`take`)."""
 
     def __init__(self, parts: Iterable[Buffer]) -> None:
-        # A list or tuple is held whole by the caller, who waits in write_file: its buffers stay
-        # valid, so a part can be joined straight from them. Any other iterable is a producer
-        # that may reuse a buffer once it has yielded it: what a part holds of it is copied
-        # before the next one is asked for.
-        self._stable = isinstance(parts, (list, tuple))
+        # A list or tuple is held whole by the caller, who waits in write_file: its size is
+        # known before the first request (so a small object can be one PUT, see
+        # S3Transfer.single_put_parts). Any other iterable is a producer that may reuse a buffer
+        # once it has yielded it: what a body holds of it is copied before the next is asked for.
+        self.known_size: int | None = None
+        if isinstance(parts, (list, tuple)):
+            self.known_size = sum(memoryview(p).nbytes for p in parts)
         self._it: Iterator[Buffer] = iter(parts)
         self._pending = memoryview(b"")
         self.total = 0
@@ -42,29 +46,59 @@ class Chunker:
             self._pending = memoryview(nxt).cast("B")
         return True
 
-    def take(self, size: int) -> bytes | None:
-        """The next ``size`` bytes (fewer at the end); None when the stream is exhausted.
+    def take(self, size: int) -> io.BytesIO | None:
+        """The next ``size`` bytes (fewer at the end) as a request body; None when the stream
+        is exhausted.
 
-        ``bytes``, built by one copy (a join: no zero-filled buffer first): aiohttp sends a
-        bytes body as it is, but copies a bytearray once more (it slices the body to its
-        length), and botocore refuses a memoryview. A part spanning several buffers of a
-        producer costs a second copy."""
-        pieces: list[Buffer] = []
+        One copy, into a ``BytesIO`` that owns its buffer. botocore wraps any ``bytes`` body of
+        a PUT or part in ``BytesIO(body)``, which shares the bytes until aiohttp asks for its
+        buffer (``BytesIOPayload``: ``getbuffer()``), and that unshares it: a second copy of the
+        whole body. A ``BytesIO`` written into owns its buffer, so that copy never happens.
+        The body is rewound before every attempt (:func:`rewound`)."""
+        body: io.BytesIO | None = None
         filled = 0
         while filled < size and self._refill():
             k = min(size - filled, len(self._pending))
-            piece = self._pending[:k]
-            pieces.append(piece if self._stable else bytes(piece))
+            if body is None:
+                body = io.BytesIO()
+            body.write(self._pending[:k])
             self._pending = self._pending[k:]
             filled += k
-        if not pieces:
+        if body is None:
             return None
         self.total += filled
-        first = pieces[0]
-        return first if len(pieces) == 1 and isinstance(first, bytes) else b"".join(pieces)
+        return body
 
     def at_end(self) -> bool:
         return not self._refill()
+
+
+def rewound(body: io.BytesIO) -> io.BytesIO:
+    """``body`` at its start: botocore reads a file body from where it stands (checksum,
+    signature, Content-Length), and an earlier attempt left it at the end."""
+    body.seek(0)
+    return body
+
+
+class Budget:
+    """Bytes of request bodies held at once, all threads together (the upload memory bound).
+    A body larger than the whole budget is let through when nothing else is held."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            while self._used and self._used + n > self._limit:
+                self._cv.wait()
+            self._used += n
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self._used -= n
+            self._cv.notify_all()
 
 
 @dataclasses.dataclass
