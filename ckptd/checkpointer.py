@@ -41,6 +41,7 @@ from ckptd.writer.pipeline import (
     check_unmodified,
     n_files,
     plan_rounds,
+    stage,
 )
 from ckptd.writer.staging import StagingPool
 
@@ -206,9 +207,12 @@ class Checkpointer:
                 handle.on_wait_staged.append(lambda: check_unmodified(plans, arena_buf))
             if not overlap:
                 job.t_write = time.perf_counter()
+                pipelined = config.pipelined_staging(self.threads)
                 try:
+                    if not pipelined:  # every core copies first; then the writers start
+                        stage(job.arena.buffer, rounds[0].plans)
                     job.futures = self._writer.start_files(
-                        share, job.arena, rounds[0], 0, stage_first=True, codec=codec
+                        share, job.arena, rounds[0], 0, stage_first=pipelined, codec=codec
                     )
                 except BaseException as e:
                     self.pool.release(job.arena)

@@ -26,8 +26,14 @@ def _load(c: ckptd.Checkpointer, step: int | None = None) -> dict:
     return dst
 
 
-def test_mutating_every_tensor_right_after_save_async_does_not_change_what_was_saved(tmp_path):
-    with ckptd.Checkpointer(str(tmp_path)) as c:
+@pytest.mark.parametrize("pipelined", [0, 1])
+def test_mutating_every_tensor_right_after_save_async_does_not_change_what_was_saved(
+        tmp_path, pipelined):
+    from ckptd import config
+
+    # several data files, handed to the writers while staging (1) or after it (0)
+    with config.override(pipelined_staging=pipelined, min_file_bytes=8192, stage_threads=2), \
+            ckptd.Checkpointer(str(tmp_path)) as c:
         state = _state(1.0)
         h = c.save_async(state, step=1)
         assert h.phase in (Phase.STAGED, Phase.COMMITTED)
@@ -207,3 +213,30 @@ def test_reserve_allocates_the_staging_memory_before_the_first_save(tmp_path):
         assert c.pool.allocations == 1 and c.pool.nbytes >= reserved
         c.save(state, step=1)
         assert c.pool.allocations == 1  # the first save reused the reserved arena
+
+
+def test_the_staging_copy_is_exact_and_never_waits_for_a_helper_that_gets_no_cpu():
+    import threading
+
+    from ckptd.writer import memcopy
+
+    src = torch.randint(0, 255, (3 * memcopy.SEGMENT + 12344,), dtype=torch.uint8)
+    small = torch.arange(1000, dtype=torch.int64)
+    for threads in (1, 2, 4):
+        dst = torch.zeros(src.numel() + small.numel() * 8 + 64, dtype=torch.uint8)
+        copies = [(dst.data_ptr(), src.data_ptr(), src.numel()),
+                  (dst.data_ptr() + src.numel() + 64, small.data_ptr(), small.numel() * 8),
+                  (dst.data_ptr(), src.data_ptr(), 0)]
+        memcopy.copy_all(copies, threads=threads)
+        assert torch.equal(dst[: src.numel()], src)
+        assert torch.equal(dst[src.numel() + 64 :].view(torch.int64), small)
+    # the only helper thread is busy elsewhere: the caller copies every segment itself
+    release = threading.Event()
+    busy = memcopy._helpers(1).submit(release.wait)
+    try:
+        dst = torch.zeros_like(src)
+        memcopy.copy_all([(dst.data_ptr(), src.data_ptr(), src.numel())], threads=2)
+        assert torch.equal(dst, src)
+    finally:
+        release.set()
+        busy.result()

@@ -29,6 +29,7 @@ from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer.files import ChunkList, gather, write_file
+from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
 
@@ -124,9 +125,16 @@ def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
                         copy_into(arena, s.offset, s.piece.view)
             stream.synchronize()
         else:
+            base = arena.data_ptr()
+            flat: list[tuple[int, int, int]] = []
             for plan in plans:
                 for s in plan.slots:
-                    copy_into(arena, s.offset, s.piece.view)
+                    v = s.piece.view
+                    if v.is_contiguous() and v.device.type == "cpu":
+                        flat.append((base + s.offset, v.data_ptr(), v.numel() * v.element_size()))
+                    else:  # strided views: torch's copy
+                        copy_into(arena, s.offset, v)
+            copy_all(flat)
 
 
 class RankWriter:
