@@ -142,24 +142,30 @@ class TestEveryBackend:
 
     def test_concurrent_writers_each_get_their_own_bytes(self, backend: Storage) -> None:
         datas = {f"w/{i}.bin": payload(3 * PART + i, seed=i) for i in range(6)}
-        errors: list[BaseException] = []
-
-        def write(path: str) -> None:
-            try:
-                backend.write_file(path, irregular(datas[path]))
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=write, args=(p,)) for p in datas]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        assert write_concurrently(backend, {p: irregular(d) for p, d in datas.items()}) == []
         assert {p: backend.read_bytes(p) for p in datas} == datas
 
 
 # -- S3 specifics ------------------------------------------------------------------------------
+
+
+def write_concurrently(storage: Storage, parts: dict[str, Any]) -> list[BaseException]:
+    """``storage.write_file(path, parts[path])`` for every path, each in its own thread; the
+    errors raised."""
+    errors: list[BaseException] = []
+
+    def write(path: str) -> None:
+        try:
+            storage.write_file(path, parts[path])
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def uploads_in_progress(bucket: S3Bucket) -> list[str]:
@@ -252,20 +258,7 @@ class TestS3:
         storage = s3_bucket.storage(concurrency=2)
         datas = {f"d/{i}.bin": payload(6 * PART + i, seed=i) for i in range(3)}
         datas["d/mp.bin"] = payload(11 * PART, seed=9)  # multipart, 2 parts in flight at most
-        errors: list[BaseException] = []
-
-        def write(path: str) -> None:
-            try:
-                storage.write_file(path, [datas[path]])
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=write, args=(p,)) for p in datas]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        assert write_concurrently(storage, {p: [d] for p, d in datas.items()}) == []
         for path, data in datas.items():
             assert storage.read_bytes(path) == data
 
