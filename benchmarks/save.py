@@ -654,6 +654,15 @@ class Report:
         def xdd(v: float) -> str:
             return f"{dcp_durable / v:.2f}× DCP GB/s" if dcp_durable == dcp_durable else ""
 
+        def stall_row(section: str, label: str, key: str, **kw: Any) -> None:
+            """A time the caller waits: against memcpy and DCP's staging."""
+            self.row(section, label, key, vs_floor=xm(T(key)), vs_dcp=xds(T(key)), **kw)
+
+        def durable_row(section: str, label: str, key: str, **kw: Any) -> None:
+            """A time to durable: throughput against the write floor and DCP's."""
+            self.row(section, label, key, gbps_of=B, vs_floor=xw(T(key)), vs_dcp=xdd(T(key)),
+                     **kw)
+
         s = "floor"
         for suffix in ("", *(f".t{n}" for n in (8, 4, 2, 1))):
             threads = f", torch threads={suffix[2:]}" if suffix else ""
@@ -758,13 +767,7 @@ class Report:
                 vs_dcp=xds(st),
                 target=tgt,
             )
-            self.row(
-                s,
-                "save_async: call wall clock",
-                "ckptd.call",
-                vs_floor=xm(T("ckptd.call")),
-                vs_dcp=xds(T("ckptd.call")),
-            )
+            stall_row(s, "save_async: call wall clock", "ckptd.call")
             du = T("ckptd.durable")
             tgt = self.check(
                 "durable ≥ 0.85× best write floor",
@@ -793,38 +796,12 @@ class Report:
                 vs_floor=xw(T("ckptd.write_s")),
             )
         if self.has("ckptd.t1.stall_s"):
-            self.row(
-                s,
-                "diagnosis: same save, caller's torch threads=1: stall",
-                "ckptd.t1.stall_s",
-                gbps_of=B,
-                vs_floor=xm(T("ckptd.t1.stall_s")),
-                vs_dcp=xds(T("ckptd.t1.stall_s")),
-            )
-            self.row(
-                s,
-                "diagnosis: same save, caller's torch threads=1: durable",
-                "ckptd.t1.durable",
-                gbps_of=B,
-                vs_floor=xw(T("ckptd.t1.durable")),
-                vs_dcp=xdd(T("ckptd.t1.durable")),
-            )
+            t1 = "diagnosis: same save, caller's torch threads=1"
+            stall_row(s, f"{t1}: stall", "ckptd.t1.stall_s", gbps_of=B)
+            durable_row(s, f"{t1}: durable", "ckptd.t1.durable")
         if self.has("ckptd.zstd.stall_s"):
-            self.row(
-                s,
-                "zstd: stall",
-                "ckptd.zstd.stall_s",
-                vs_floor=xm(T("ckptd.zstd.stall_s")),
-                vs_dcp=xds(T("ckptd.zstd.stall_s")),
-            )
-            self.row(
-                s,
-                "zstd: durable",
-                "ckptd.zstd.durable",
-                gbps_of=B,
-                vs_floor=xw(T("ckptd.zstd.durable")),
-                vs_dcp=xdd(T("ckptd.zstd.durable")),
-            )
+            stall_row(s, "zstd: stall", "ckptd.zstd.stall_s")
+            durable_row(s, "zstd: durable", "ckptd.zstd.durable")
             stored = sum(median(r["runs"]["ckptd.zstd.stored"]) for r in self.results)
             self.rows.append(
                 {
@@ -843,28 +820,9 @@ class Report:
                 }
             )
         if self.has("ckptd.overlap.call"):
-            self.row(
-                s,
-                "overlap=True: save_async returns",
-                "ckptd.overlap.call",
-                vs_floor=xm(T("ckptd.overlap.call")),
-                vs_dcp=xds(T("ckptd.overlap.call")),
-            )
-            self.row(
-                s,
-                "overlap=True: wait_staged() returns",
-                "ckptd.overlap.staged",
-                vs_floor=xm(T("ckptd.overlap.staged")),
-                vs_dcp=xds(T("ckptd.overlap.staged")),
-            )
-            self.row(
-                s,
-                "overlap=True: durable",
-                "ckptd.overlap.durable",
-                gbps_of=B,
-                vs_floor=xw(T("ckptd.overlap.durable")),
-                vs_dcp=xdd(T("ckptd.overlap.durable")),
-            )
+            stall_row(s, "overlap=True: save_async returns", "ckptd.overlap.call")
+            stall_row(s, "overlap=True: wait_staged() returns", "ckptd.overlap.staged")
+            durable_row(s, "overlap=True: durable", "ckptd.overlap.durable")
 
         s = "interference"
         ct = self.cfg["compute_threads"]

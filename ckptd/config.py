@@ -70,9 +70,10 @@ class Tunables:
     # Hand each data file to its writer as soon as it is staged (1), or stage everything first
     # (0). Overlapping saves up to the stall's length on time-to-durable, but the writers'
     # checksums and syscalls then compete with the staging copy for cores: on this 2-core VM
-    # (2 GiB, benchmarks/save.py) overlapped staging stalled 1.45x memcpy (durable 0.84x the write
-    # floor), staging first 1.04x (durable 0.77x). None: overlap only when the machine has a
-    # core for every staging and every I/O thread.
+    # (`CKPTD_PIPELINED_STAGING=1|0 python benchmarks/save.py --size 2GiB --sections
+    # floors,ckptd`) overlapped staging stalled 1.45x memcpy (durable 0.84x the write floor),
+    # staging first 1.04x (durable 0.77x). None: overlap only when the machine has a core for
+    # every staging and every I/O thread.
     pipelined_staging: int | None = None
 
     # --- read planning, reading and the offline reshard (benchmarks/load.py reproduces the

@@ -11,6 +11,7 @@ exercise many-part uploads with small objects. All traffic stays on 127.0.0.1.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -173,3 +174,17 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     else:
         bucket: S3Bucket = request.getfixturevalue("s3_bucket")
         yield bucket.storage()
+
+
+@pytest.fixture
+def clean_sigterm() -> Iterator[None]:
+    """SIGTERM's handler and ckptd's preemption state as they were before the test."""
+    from ckptd.elastic import preemption as preemption_module
+
+    before = signal.getsignal(signal.SIGTERM)
+    preemption_module.uninstall()
+    try:
+        yield
+    finally:
+        preemption_module.uninstall()
+        signal.signal(signal.SIGTERM, before)

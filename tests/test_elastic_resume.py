@@ -45,14 +45,8 @@ class GatedStorage(LocalStorage):
 
 
 @pytest.fixture(autouse=True)
-def clean_sigterm() -> Iterator[None]:
-    before = signal.getsignal(signal.SIGTERM)
-    preemption_module.uninstall()
-    try:
-        yield
-    finally:
-        preemption_module.uninstall()
-        signal.signal(signal.SIGTERM, before)
+def _sigterm_restored(clean_sigterm: None) -> None:
+    """Every test here may install the preemption handler (conftest's clean_sigterm)."""
 
 
 @pytest.fixture

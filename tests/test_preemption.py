@@ -14,7 +14,6 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from multiprocessing.queues import Queue
 from types import FrameType
@@ -31,7 +30,6 @@ from ckptd.elastic import (
     preempted,
     remaining_grace_s,
 )
-from ckptd.elastic import preemption as preemption_module
 
 # forkserver: children are forked from a clean single-threaded server that has imported torch
 # once, so they start fast and never inherit this process's threads (which fork would).
@@ -40,17 +38,6 @@ CTX.set_forkserver_preload(["torch", "torch.distributed", "ckptd.elastic"])
 TIMEOUT_S = 60.0
 
 # --------------------------------------------------------------------------- one process
-
-
-@pytest.fixture
-def clean_sigterm() -> Iterator[None]:
-    before = signal.getsignal(signal.SIGTERM)
-    preemption_module.uninstall()
-    try:
-        yield
-    finally:
-        preemption_module.uninstall()
-        signal.signal(signal.SIGTERM, before)
 
 
 def _raise_sigterm() -> None:

@@ -21,10 +21,11 @@ A logical tensor's ckptd name is its flattening path joined with ``/`` (``('mode
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -223,19 +224,25 @@ def _untransform(blob: bytes | bytearray | memoryview, it: Item, where: str) -> 
         ) from e
 
 
+@contextlib.contextmanager
+def _unloadable(what: str) -> Iterator[None]:
+    """``torch.load`` failures (of many kinds) as one CorruptCheckpoint: ``what (Kind: first
+    line of the message)``."""
+    try:
+        yield
+    except CorruptCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CorruptCheckpoint(f"{what} ({type(e).__name__}: {first})") from e
+
+
 def decode_tensor(
     blob: bytes | bytearray | memoryview, t: DcpTensor, c: DcpChunk, where: str
 ) -> torch.Tensor:
     name = t.name
-    try:
+    with _unloadable(f"{where}: {name}: item at byte {c.item.offset} is not a saved tensor"):
         out = torch.load(_untransform(blob, c.item, where), map_location="cpu", weights_only=True)
-    except CorruptCheckpoint:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds
-        raise CorruptCheckpoint(
-            f"{where}: {name}: item at byte {c.item.offset} is not a saved tensor "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != c.box.sizes or out.dtype != t.dtype:
         got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out)
         raise CorruptCheckpoint(
@@ -246,18 +253,11 @@ def decode_tensor(
 
 
 def decode_object(blob: bytes | bytearray | memoryview, o: DcpObject, where: str) -> Any:
-    try:
+    with _unloadable(f"{where}: {o.name}: item at byte {o.item.offset} does not load"):
         try:
             return torch.load(_untransform(blob, o.item, where), weights_only=True)
         except pickle.UnpicklingError:  # more than weights_only allows; the caller trusted it
             return torch.load(_untransform(blob, o.item, where), weights_only=False)
-    except CorruptCheckpoint:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds
-        raise CorruptCheckpoint(
-            f"{where}: {o.name}: item at byte {o.item.offset} does not load "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
 
 
 def fetch(
