@@ -24,7 +24,7 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import Manifest, TensorEntry, decode
+from ckptd.manifest import Manifest, TensorEntry, catalog
 from ckptd.manifest import layout as L
 from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
@@ -43,6 +43,7 @@ from ckptd.writer.pipeline import (
     plan_rounds,
     stage,
 )
+from ckptd.writer.signals import Signals
 from ckptd.writer.staging import StagingPool
 
 log = logging.getLogger("ckptd")
@@ -101,7 +102,8 @@ class Checkpointer:
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
         self._writer = RankWriter(self.storage, self._io, self.pool, self.codec, self.level)
         self._background = SaveDriver(self.storage, self._writer, self.pool, self.auto, self.rank,
-                                      self.world_size, self.run_id, self.keep_last)
+                                      self.world_size, self.run_id, self.keep_last,
+                                      Signals.from_process_group())
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._handles: list[SaveHandle] = []
         self._seq = 0
@@ -113,7 +115,7 @@ class Checkpointer:
         # training job that owns the root.
         self.read_only = read_only
         if self.rank == 0 and not read_only:
-            C.claim(self.storage, self.run_id)
+            self._background.generation = C.claim(self.storage, self.run_id)
         _live.add(self)
 
     @staticmethod
@@ -129,6 +131,7 @@ class Checkpointer:
         overlap: bool = False,
         training: dict[str, Any] | None = None,
         urgent: bool = False,
+        overwrite: bool = False,
     ) -> SaveHandle:
         """Stage ``state`` into host memory and write it in the background.
 
@@ -136,7 +139,8 @@ class Checkpointer:
         ``overlap=True`` it returns at once and stages in the background; call
         ``handle.wait_staged()`` before modifying the state. ``urgent=True`` (the preemption
         save) writes this step uncompressed whatever ``compression`` says, through the same
-        staging buffers and I/O threads.
+        staging buffers and I/O threads. A committed step is immutable: saving its number again
+        fails (on every rank) unless ``overwrite=True``.
         """
         self._check_open()
         if self.read_only:
@@ -181,51 +185,62 @@ class Checkpointer:
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._last_step = step
         codec = codecs.RAW if urgent else self.auto.choose() if self.auto else self.codec
-        job = Job(share, rounds, handle, codec)
+        job = Job(share, rounds, handle, codec, overwrite=overwrite)
+        submitted = False
+        try:
+            self._start(job, overlap, t0)
+            self._driver.submit(self._background.run, job)
+            submitted = True
+        except BaseException as e:  # Ctrl-C included: the exit drain must not wait on it
+            if not submitted:
+                self._abandon(job, e)
+            raise
+        if overlap:
+            handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def _start(self, job: Job, overlap: bool, t0: float) -> None:
+        """Stage (unless ``overlap``) and start the file writes of one save."""
+        handle, share, rounds = job.handle, job.share, job.rounds
         if len(rounds) > 1:
             log.warning(
                 "ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
                 "writing it in %d blocking rounds",
-                step,
+                share.step,
                 sum(r.nbytes for r in rounds),
                 self.host_budget_bytes,
                 len(rounds),
             )
-            try:
-                job.chunks = self._writer.write_rounds(share, rounds, codec=codec)
-            except BaseException as e:
-                self._writer.discard(share, n_files(rounds))
-                handle._set_failed(e)
-                handle._reported = True
-                raise
+            job.chunks = self._writer.write_rounds(share, rounds, codec=job.codec)
             handle.stall_s = time.perf_counter() - t0
             handle._set_staged()
-        else:
-            job.arena = self.pool.acquire(rounds[0].nbytes)
-            if self.debug_overlap:
-                arena_buf, plans = job.arena.buffer, rounds[0].plans
-                handle.on_wait_staged.append(lambda: check_unmodified(plans, arena_buf))
-            if not overlap:
-                job.t_write = time.perf_counter()
-                pipelined = config.pipelined_staging(self.threads)
-                try:
-                    if not pipelined:  # every core copies first; then the writers start
-                        stage(job.arena.buffer, rounds[0].plans)
-                    job.futures = self._writer.start_files(
-                        share, job.arena, rounds[0], 0, stage_first=pipelined, codec=codec
-                    )
-                except BaseException as e:
-                    self.pool.release(job.arena)
-                    self._writer.discard(share, n_files(rounds))
-                    handle._set_failed(e)
-                    handle._reported = True  # raised right here, to the caller
-                    raise
-                handle.stall_s = time.perf_counter() - t0
-                handle._set_staged()
-        self._driver.submit(self._background.run, job)
-        if overlap:
+            return
+        job.arena = self.pool.acquire(rounds[0].nbytes)
+        if self.debug_overlap:
+            arena_buf, plans = job.arena.buffer, rounds[0].plans
+            handle.on_wait_staged.append(lambda: check_unmodified(plans, arena_buf))
+        if not overlap:
+            job.t_write = time.perf_counter()
+            pipelined = config.pipelined_staging(self.threads)
+            if not pipelined:  # every core copies first; then the writers start
+                stage(job.arena.buffer, rounds[0].plans)
+            job.futures = self._writer.start_files(
+                share, job.arena, rounds[0], 0, stage_first=pipelined, codec=job.codec
+            )
             handle.stall_s = time.perf_counter() - t0
-        return handle
+            handle._set_staged()
+
+    def _abandon(self, job: Job, error: BaseException) -> None:
+        """A save that failed (or was interrupted) before its background half was handed over:
+        no write may still read the arena when it goes back to the pool; its files go; the
+        handle fails and the error is raised right here, to the caller."""
+        for f in job.futures or ():
+            f.exception()
+        if job.arena is not None:
+            self.pool.release(job.arena)
+        self._writer.discard(job.share, n_files(job.rounds))
+        job.handle._set_failed(error)
+        job.handle._reported = True
 
     def reserve(self, state: Any) -> int:
         """Allocate (and fault in) the staging memory ``state`` will need, ahead of the first
@@ -246,9 +261,12 @@ class Checkpointer:
         step: int | None = None,
         training: dict[str, Any] | None = None,
         urgent: bool = False,
+        overwrite: bool = False,
     ) -> SaveResult:
         """``save_async(...).result()``: returns once committed on every rank."""
-        return self.save_async(state, step=step, training=training, urgent=urgent).result()
+        return self.save_async(
+            state, step=step, training=training, urgent=urgent, overwrite=overwrite
+        ).result()
 
     def _next_step(self, state: Any, step: int | None) -> int:
         if step is not None:
@@ -300,26 +318,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ reading
     def latest_step(self) -> int | None:
-        """Newest committed step under the root; finalises complete-but-uncommitted newer steps."""
-        committed = C.committed_steps(self.storage)
-        newest = committed[-1] if committed else -1
-        for s in reversed(C.all_steps(self.storage)):
-            if s <= newest:
-                break
-            try:
-                if C.finalize(self.storage, s) is not None:
-                    return s
-            except CkptdError as e:
-                log.warning("ckptd: step %d cannot be finalised: %s", s, e)
-        return committed[-1] if committed else None
+        """Newest committed step under the root, in commit order (``docs/format.md``): a newer
+        owner's steps win over an older owner's whatever their numbers. Never commits
+        anything."""
+        last = catalog.newest(self.storage)
+        return None if last is None else last.step
 
     def read_manifest(self, step: int) -> Manifest:
-        path = L.manifest_path(step)
-        try:
-            raw = self.storage.read_bytes(path)
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"{self.url}/{path}: no committed step {step}") from None
-        return decode(raw, f"{self.url}/{path}")
+        return catalog.read_manifest(self.storage, step)
 
     def load(
         self,

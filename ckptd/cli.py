@@ -13,13 +13,14 @@ from typing import Any
 
 from ckptd import config
 from ckptd.errors import CkptdError
-from ckptd.manifest import decode
+from ckptd.manifest import catalog, decode
 from ckptd.manifest import layout as L
 from ckptd.storage import open_storage
 from ckptd.writer import commit as C
+from ckptd.writer import retention
 
-split_ckpt = C.split_step_url
-open_ckpt = C.open_step
+split_ckpt = catalog.split_step_url
+open_ckpt = catalog.open_step
 
 
 def _human(n: float) -> str:
@@ -50,7 +51,7 @@ def _progress(total: int, desc: str) -> Any:
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.root, args.storage_options)
     rows: list[dict[str, Any]] = []
-    for step in C.all_steps(storage):
+    for step in catalog.all_steps(storage):
         try:
             m = decode(storage.read_bytes(L.manifest_path(step)), L.manifest_path(step))
             rows.append(
@@ -171,7 +172,7 @@ def cmd_finalize(args: argparse.Namespace) -> int:
     steps = (
         [step]
         if step is not None
-        else [s for s in C.all_steps(storage) if s not in C.committed_steps(storage)]
+        else [s for s in catalog.all_steps(storage) if s not in catalog.committed_steps(storage)]
     )
     done = []
     for s in steps:
@@ -188,19 +189,21 @@ def cmd_finalize(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     storage = open_storage(args.root, args.storage_options)
-    report = C.collect_garbage(
+    report = retention.collect_garbage(
         storage, keep_last=args.keep_last, upload_min_age_s=args.upload_min_age
     )
     out = {
         "removed_committed": report.removed_committed,
         "removed_incomplete": report.removed_incomplete,
+        "removed_attempts": report.removed_attempts,
         "aborted_uploads": report.aborted_uploads,
     }
     print(
         json.dumps(out)
         if args.json
         else f"removed {len(report.removed_committed)} old committed, "
-        f"{len(report.removed_incomplete)} incomplete steps; aborted "
+        f"{len(report.removed_incomplete)} incomplete steps, "
+        f"{len(report.removed_attempts)} dead attempts inside kept steps; aborted "
         f"{report.aborted_uploads} incomplete uploads"
     )
     return 0

@@ -30,11 +30,13 @@ import ckptd
 from ckptd import config
 from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, StorageError
+from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.storage import LocalStorage
 from ckptd.storage.base import poll_interval
 from ckptd.storage.fsspec_backend import FsspecStorage
 from ckptd.writer import commit as C
+from ckptd.writer import retention
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -191,7 +193,7 @@ def test_twenty_cycles_under_ten_percent_faults_commit_and_load_bit_exact(
         assert len(files) >= 2  # several data files per save...
     proxy.heal()
     assert proxy.injected >= 40 and proxy.counts["forwarded"] > 500  # faults were exercised
-    assert C.committed_steps(storage) == [18, 19, 20]  # retention ran under faults too
+    assert catalog.committed_steps(storage) == [18, 19, 20]  # retention ran under faults too
     assert read_latest(s3_bucket) == L.step_dir(20)
     assert uploads(s3_bucket) == []  # every upload completed or was aborted
     client = s3_bucket.client()
@@ -234,7 +236,7 @@ def test_latest_is_advisory_the_newest_committed_step_is_found_by_listing(
             lone.save(full_state(4))
         lone.close()
     assert storage.exists(L.failed_path(4, "lone-000001"))
-    assert C.committed_steps(storage) == [1, 2, 3]
+    assert catalog.committed_steps(storage) == [1, 2, 3]
     newest_loads_step_3()
 
     # A coordinator that died between the partials and the manifest: the next reader
@@ -243,13 +245,13 @@ def test_latest_is_advisory_the_newest_committed_step_is_found_by_listing(
         ck.save(full_state(6))
     client.delete_object(Bucket="ckptd-test", Key=f"run/{L.manifest_path(6)}")
     client.put_object(Bucket="ckptd-test", Key="run/latest", Body=L.step_dir(3).encode())
-    assert C.committed_steps(storage) == [1, 2, 3]
+    assert catalog.committed_steps(storage) == [1, 2, 3]
     with checkpointer(s3_bucket.storage(), keep_last=0) as fresh:
         assert fresh.latest_step() == 6
         dst = zeros_like(full_state(6))
         assert fresh.load(dst).step == 6
         assert_bit_exact(dst, full_state(6))
-    assert C.committed_steps(storage) == [1, 2, 3, 6]
+    assert catalog.committed_steps(storage) == [1, 2, 3, 6]
     assert read_latest(s3_bucket) == L.step_dir(6)
 
 
@@ -310,7 +312,7 @@ def test_an_outage_mid_save_fails_it_naming_the_object_and_the_previous_step_sta
 
         assert L.manifest_path(2) not in objects(s3_bucket)
         assert read_latest(s3_bucket) == L.step_dir(1)
-        assert C.committed_steps(storage) == [1]
+        assert catalog.committed_steps(storage) == [1]
     with checkpointer(s3_bucket.storage(), keep_last=3) as fresh:  # the restarted job
         assert fresh.latest_step() == 1
         dst = zeros_like(full_state(1))
@@ -350,7 +352,7 @@ def test_a_failed_manifest_put_commits_nothing_and_every_rank_raises_the_reason(
     want = f"{s3_bucket.url}/{L.manifest_path(2)}: PUT failed after 3 attempts: SlowDown (HTTP 503)"
     assert errors[0] == want
     assert errors[1] == f"step 2 was not committed: {want}"  # rank 1 learnt it from FAILED
-    assert C.committed_steps(storage) == [1]
+    assert catalog.committed_steps(storage) == [1]
     with checkpointer(s3_bucket.storage(), rank=0, world_size=1) as fresh:
         assert fresh.latest_step() == 1  # the FAILED attempt is not finalised either
         dst = zeros_like(full_state(1))
@@ -387,7 +389,7 @@ def test_two_gloo_ranks_save_on_s3_and_three_ranks_load_another_layout(
     proxy.heal()
     assert proxy.injected >= 1
     storage = s3_bucket.storage()
-    assert C.committed_steps(storage) == [1, 2]
+    assert catalog.committed_steps(storage) == [1, 2]
     with checkpointer(storage, run_id="reader") as ck:
         manifest = ck.read_manifest(2)
     assert manifest.world_size == 2
@@ -633,28 +635,29 @@ class RecordingStorage(LocalStorage):
 
 
 def test_gc_aborts_only_uploads_no_save_in_flight_can_still_use(tmp_path: Any) -> None:
-    storage = RecordingStorage(
-        str(tmp_path / "root"),
-        uploads=[f"{L.step_dir(2)}/data/x-000001/r00000-0.bin",  # nothing else left of step 2
-                 f"{L.step_dir(4)}/data/x-000003/r00000-0.bin"],  # step 4 may be in flight
-    )
+    storage = RecordingStorage(str(tmp_path / "root"), uploads=[])
     with checkpointer(storage, keep_last=0) as ck:
         for s in (1, 3, 5):
             ck.save(full_state(s))
+        run = ck.run_id
     storage.remove(L.manifest_path(5))  # as if step 5 were still being saved
-    storage.put_atomic(f"{L.step_dir(4)}/ranks/x-000003/00000.json", b"{}")
-    report = C.collect_garbage(storage)
+    storage.uploads = [
+        f"{L.step_dir(2)}/data/{run}-000000/r00000-0.bin",  # nothing else left of step 2
+        f"{L.step_dir(4)}/data/{run}-000009/r00000-0.bin",  # the owner's newest: in flight
+    ]
+    storage.put_atomic(f"{L.step_dir(4)}/ranks/{run}-000009/00000.json", b"{}")
+    report = retention.collect_garbage(storage)
     assert report.removed_incomplete == [2] and report.aborted_uploads == 2
     assert storage.aborts == [(L.step_dir(2), 0.0), ("", 3600.0)]
-    assert C.all_steps(storage) == [1, 3, 4, 5]
+    assert catalog.all_steps(storage) == [1, 3, 4, 5]
 
     storage.uploads = []
     with config.override(commit_timeout_s=7200.0):
         storage.aborts.clear()
-        C.collect_garbage(storage)  # the default follows a longer commit timeout
+        retention.collect_garbage(storage)  # the default follows a longer commit timeout
         assert storage.aborts == [("", 14400.0)]
         with pytest.raises(ValueError, match="must exceed the commit timeout"):
-            C.collect_garbage(storage, upload_min_age_s=7200.0)
+            retention.collect_garbage(storage, upload_min_age_s=7200.0)
 
 
 # ----------------------------------------------------------------------------- reshard

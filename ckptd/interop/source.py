@@ -19,13 +19,12 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest
+from ckptd.manifest import Manifest, catalog
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.reshard.load import load_into
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece
 from ckptd.storage import Storage
-from ckptd.writer import commit as C
 
 # Bytes of a tensor read and written at a time by the exporters (whole rows). An export holds
 # about three slabs at once — the one being read, the loader's read buffers for it, the previous
@@ -51,7 +50,7 @@ class Checkpoint:
 
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint:
     """``ROOT/step-000000042`` (that step) or ``ROOT`` (its newest committed step)."""
-    return Checkpoint(*C.open_step(url, storage_options))
+    return Checkpoint(*catalog.open_step(url, storage_options))
 
 
 T = TypeVar("T")

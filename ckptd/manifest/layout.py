@@ -8,6 +8,7 @@
     ROOT/step-000000042/manifest.json        the commit record
     ROOT/step-000000042/ranks/<attempt>/00003.json      rank 3's partial manifest
     ROOT/step-000000042/ranks/<attempt>/FAILED          the coordinator gave up (reason inside)
+    ROOT/step-000000042/ranks/<attempt>/00003.failed    rank 3 could not do its share (why)
     ROOT/step-000000042/data/<attempt>/r00003-0.bin     rank 3's first data file
 
 Data and partials live under the save *attempt* id, so two attempts at the same step (a retry,
@@ -53,6 +54,22 @@ def partial_path(step: int, attempt: str, rank: int) -> str:
 
 def failed_path(step: int, attempt: str) -> str:
     return f"{partials_dir(step, attempt)}/{FAILED}"
+
+
+def is_partial(name: str) -> bool:
+    return name.endswith(".json") and name[:-5].isdigit()
+
+
+def rank_failed_path(step: int, attempt: str, rank: int) -> str:
+    return f"{partials_dir(step, attempt)}/{rank:05d}.failed"
+
+
+def is_rank_failure(name: str) -> bool:
+    return name.endswith(".failed") and name[:-7].isdigit()
+
+
+def parse_rank_failure(name: str) -> int:
+    return int(name[:-7])
 
 
 def data_file(attempt: str, rank: int, index: int) -> str:

@@ -128,6 +128,7 @@ class Manifest:
     locals: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank (str) -> name -> value
     training: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None  # set on partials only
+    generation: int = 0  # the committing run's generation (owner.json); 0 before generations
 
     @property
     def nbytes(self) -> int:
@@ -149,6 +150,8 @@ class Manifest:
         }
         if self.rank is not None:
             out["rank"] = self.rank
+        else:
+            out["generation"] = self.generation
         return out
 
     def encode(self) -> bytes:
@@ -186,6 +189,7 @@ def decode(raw: bytes, where: str) -> Manifest:
             locals={str(k): dict(v) for k, v in doc.get("locals", {}).items()},
             training=dict(doc.get("training", {})),
             rank=_int(doc["rank"]) if "rank" in doc else None,
+            generation=_int(doc.get("generation", 0)),
         )
     except CorruptCheckpoint:
         raise

@@ -18,17 +18,21 @@ directories and checking their manifests (:func:`committed_steps`).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import replace
 
 from ckptd import config, errors
-from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint, ForeignWriter
+from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, merge
 from ckptd.manifest import layout as L
-from ckptd.storage import Storage, open_storage
+from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
+from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
+from ckptd.writer.signals import Signals
+
+log = logging.getLogger("ckptd")
 
 _jitter = random.Random()
 
@@ -60,40 +64,158 @@ class Poller:
         return True
 
 
+def attempt_run(attempt: str) -> str:
+    """The run id inside an attempt id (``<run>-<seq>``)."""
+    return attempt.rpartition("-")[0] or attempt
+
+
 def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
     d = L.partials_dir(step, attempt)
     out = []
     for name in storage.list_dir(d):
-        if name.endswith(".json"):
+        if L.is_partial(name):
             out.append(decode(storage.read_bytes(f"{d}/{name}"), f"{d}/{name}"))
     return out
 
 
-def _failed_error(storage: Storage, step: int, attempt: str) -> CkptdError | None:
-    """The coordinator's error, re-created with its ckptd class so every rank raises the same."""
+# ----------------------------------------------------------------------------- failures
+def record_failure(
+    storage: Storage,
+    signals: Signals,
+    step: int,
+    attempt: str,
+    rank: int,
+    error: BaseException,
+    *,
+    share: bool = True,
+) -> None:
+    """Make a failed attempt visible to every rank (best effort, never raises): the c10d store
+    first (it works when storage is what broke), then storage. ``share``: this rank could not
+    do its share (the reason names the rank); otherwise the coordinator's commit failed. The
+    coordinator (rank 0) writes the attempt's FAILED marker, any other rank its own record,
+    which the coordinator finds in the listing it polls anyway and turns into FAILED."""
+    kind = type(error).__name__
+    reason = " ".join(str(error).split()) or kind
+    reason = reason.removeprefix(f"step {step} was not committed: ")
+    if share:
+        reason = f"rank {rank} failed: {kind}: {reason}"
+    signals.publish_failure(attempt, kind, reason)
+    path = L.failed_path(step, attempt) if rank == 0 else L.rank_failed_path(step, attempt, rank)
     try:
-        raw = storage.read_bytes(L.failed_path(step, attempt))
+        doc = {"rank": rank, "type": kind, "message": reason}
+        storage.put_atomic(path, json.dumps(doc).encode())
+    except Exception as e:  # noqa: BLE001 - the original error matters more
+        log.warning("ckptd: could not record the failure of step %d at %s: %s", step, path, e)
+
+
+def _not_committed(step: int, kind: str, reason: str) -> CkptdError:
+    """The error every rank raises for a failed attempt, with the class of the original."""
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
+        cls, reason = CkptdError, (reason if reason.startswith("rank ") else f"{kind}: {reason}")
+    return cls(f"step {step} was not committed: {reason}")
+
+
+def _read_record(storage: Storage, path: str) -> tuple[str, str] | None:
+    try:
+        raw = storage.read_bytes(path)
     except FileNotFoundError:
         return None
     try:
         doc = json.loads(raw)
-        kind, message = str(doc["type"]), str(doc["message"])
+        return str(doc["type"]), str(doc["message"])
     except (ValueError, KeyError, TypeError):
-        kind, message = "CkptdError", raw.decode(errors="replace")
-    cls = getattr(errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
-        cls, message = CkptdError, f"{kind}: {message}"
-    return cls(f"step {step} was not committed: {message}")
+        return "CkptdError", f"unreadable failure record {path}"
 
 
-def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_id: str) -> Manifest:
-    """Wait for every rank's partial of ``attempt``, merge them, commit. On failure, leave a
-    FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched."""
+def _failure(
+    storage: Storage, step: int, attempt: str, signals: Signals, names: list[str] | None = None
+) -> CkptdError | None:
+    """The attempt's failure, if any rank published one: the store first, then storage (the
+    FAILED marker, or with ``names`` — the coordinator's listing — a rank's record)."""
+    found = signals.failure(attempt)
+    if found is not None:
+        pass
+    elif names is None:
+        found = _read_record(storage, L.failed_path(step, attempt))
+    else:
+        failed = sorted(n for n in names if L.is_rank_failure(n))
+        if failed:
+            found = _read_record(storage, f"{L.partials_dir(step, attempt)}/{failed[0]}")
+    return None if found is None else _not_committed(step, *found)
+
+
+# ----------------------------------------------------------------------------- the commit
+def commit(storage: Storage, manifest: Manifest, run_id: str, *, overwrite: bool = False) -> None:
+    """The one commit, for saves, finalisation, offline reshard and imports: check that
+    ``run_id`` still owns the root, refuse to replace a committed step (unless ``overwrite``),
+    write ``manifest.json`` atomically, then the advisory ``latest``.
+
+    Once the manifest is written the step is committed whatever follows: a failure to move
+    ``latest`` or to remove a replaced attempt's files is a warning, never an error."""
+    step = manifest.step
+    check_owner(storage, run_id)
+    path = L.manifest_path(step)
+    if not overwrite:
+        try:
+            old: Manifest | None = decode(storage.read_bytes(path), path)
+        except FileNotFoundError:
+            old = None
+        except CorruptCheckpoint:  # a damaged commit is still a commit: do not replace it
+            old = manifest
+        if old is not None and old.attempt != manifest.attempt:
+            raise CkptdError(
+                f"{storage.url}/{L.step_dir(step)}: step {step} is already committed (attempt "
+                f"{old.attempt}); a committed step is immutable: save another step number, or "
+                "pass overwrite=True to replace it"
+            )
+    storage.put_atomic(path, manifest.encode())
+    try:
+        storage.put_atomic(L.LATEST, L.step_dir(step).encode())
+    except OSError as e:
+        log.warning("ckptd: step %d is committed, but the advisory %s was not moved: %s",
+                    step, L.LATEST, e)
+    if overwrite:
+        remove_other_attempts(storage, step, manifest.attempt)
+
+
+def remove_other_attempts(storage: Storage, step: int, keep: str) -> None:
+    """Best effort: the files and partials of every attempt of ``step`` other than ``keep``."""
+    for sub in ("data", "ranks"):
+        for attempt in storage.list_dir(f"{L.step_dir(step)}/{sub}"):
+            if attempt != keep:
+                try:
+                    storage.remove(f"{L.step_dir(step)}/{sub}/{attempt}")
+                except OSError as e:
+                    log.warning("ckptd: could not remove attempt %s of step %d: %s",
+                                attempt, step, e)
+
+
+def coordinate(
+    storage: Storage,
+    step: int,
+    attempt: str,
+    world_size: int,
+    run_id: str,
+    *,
+    generation: int = 0,
+    overwrite: bool = False,
+    signals: Signals | None = None,
+) -> Manifest:
+    """Wait for every rank's partial of ``attempt``, merge them, commit. A rank's failure record
+    fails the step at once, naming that rank. On failure, leave a FAILED marker (so the other
+    ranks stop waiting) and raise; ``latest`` is untouched."""
+    signals = signals or Signals(None)
+    committed = False
     try:
         poller = Poller(storage, config.get().commit_timeout_s)
         d = L.partials_dir(step, attempt)
         while True:
-            present = [n for n in storage.list_dir(d) if n.endswith(".json")]
+            names = storage.list_dir(d)
+            failure = _failure(storage, step, attempt, signals, names)
+            if failure is not None:
+                raise failure
+            present = [n for n in names if L.is_partial(n)]
             if len(present) >= world_size:
                 break
             if not poller.wait():
@@ -103,32 +225,35 @@ def coordinate(storage: Storage, step: int, attempt: str, world_size: int, run_i
                     f"step {step}: ranks {missing} did not finish their share within "
                     f"{config.get().commit_timeout_s:.0f}s; not committed"
                 )
-        manifest = merge(read_partials(storage, step, attempt))
-        check_owner(storage, run_id)
-        storage.put_atomic(L.manifest_path(step), manifest.encode())
-        storage.put_atomic(L.LATEST, L.step_dir(step).encode())
+        manifest = replace(merge(read_partials(storage, step, attempt)), generation=generation)
+        commit(storage, manifest, run_id, overwrite=overwrite)
+        committed = True
+        signals.publish_committed(attempt)
         return manifest
     except BaseException as e:
-        try:
-            doc = {"type": type(e).__name__, "message": str(e)}
-            storage.put_atomic(L.failed_path(step, attempt), json.dumps(doc).encode())
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
+        if not committed:
+            # a rank's failure is already published; anything else is the commit's own
+            record_failure(storage, signals, step, attempt, 0, e, share=False)
         raise
 
 
-def wait_committed(storage: Storage, step: int, attempt: str) -> Manifest:
+def wait_committed(
+    storage: Storage, step: int, attempt: str, signals: Signals | None = None
+) -> None:
     """Block until the coordinator committed ``attempt`` (or raise its reason)."""
+    signals = signals or Signals(None)
     poller = Poller(storage, config.get().commit_timeout_s)
     path = L.manifest_path(step)
     while True:
+        if signals.committed(attempt):
+            return
         try:  # one GET (not exists + GET: on an object store `exists` costs up to two requests)
             m: Manifest | None = decode(storage.read_bytes(path), path)
         except (FileNotFoundError, CorruptCheckpoint):
             m = None  # not yet, or replaced under our feet by retention/another commit
         if m is not None and m.attempt == attempt:
-            return m
-        error = _failed_error(storage, step, attempt)
+            return
+        error = _failure(storage, step, attempt, signals)
         if error is not None:
             raise error
         if not poller.wait():
@@ -138,47 +263,78 @@ def wait_committed(storage: Storage, step: int, attempt: str) -> Manifest:
             )
 
 
-def claim(storage: Storage, run_id: str) -> None:
-    """Make ``run_id`` the owner of the root; a job still writing under an older owner will
-    fail its next commit with ForeignWriter instead of mixing its steps into ours."""
-    storage.put_atomic(L.OWNER, json.dumps({"run": run_id, "since": time.time()}).encode())
+# ----------------------------------------------------------------------------- ownership
+def claim(storage: Storage, run_id: str) -> int:
+    """Make ``run_id`` the owner of the root and return its generation; a job still writing
+    under an older owner fails its next commit with ForeignWriter instead of mixing its steps
+    into ours.
+
+    Before taking over, the outgoing owner's complete attempts that its coordinator did not
+    live to commit are committed in its name (:func:`recover`): a restarted job then resumes
+    from the newest state its predecessor made durable."""
+    prev = read_owner(storage)
+    if prev is not None and prev.run == run_id:
+        return prev.generation  # the same run again (CKPTD_RUN_ID across restarts)
+    if prev is not None:
+        for step in recover(storage, prev):
+            log.warning("ckptd: committed step %d of the previous run %s, whose coordinator "
+                        "stopped after every rank's share was durable", step, prev.run)
+    generation = (prev.generation if prev is not None else 0) + 1
+    storage.put_atomic(L.OWNER, Owner(run_id, generation, time.time()).encode())
+    return generation
 
 
 def check_owner(storage: Storage, run_id: str) -> None:
-    try:
-        owner = json.loads(storage.read_bytes(L.OWNER))
-    except FileNotFoundError:
-        return
-    except ValueError as e:
-        raise CorruptCheckpoint(f"{L.OWNER}: unreadable ({e})") from e
-    if owner.get("run") != run_id:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+    owner = read_owner(storage)
+    if owner is not None and owner.run != run_id:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.since))
         raise ForeignWriter(
-            f"{storage.url}: owned by run {owner.get('run')} since {since}, not this run "
+            f"{storage.url}: owned by run {owner.run} since {since}, not this run "
             f"{run_id}: another job (or a newer world) writes here; this save is abandoned"
         )
 
 
-def committed_steps(storage: Storage) -> list[int]:
-    steps = []
-    for name in storage.list_dir(""):
-        step = L.parse_step_dir(name)
-        if step is not None and storage.exists(f"{name}/{L.MANIFEST}"):
-            steps.append(step)
-    return sorted(steps)
-
-
-def all_steps(storage: Storage) -> list[int]:
-    return sorted(s for s in map(L.parse_step_dir, storage.list_dir("")) if s is not None)
-
-
 def finalize(storage: Storage, step: int) -> Manifest | None:
-    """Commit ``step`` from the newest attempt whose partials are complete, if any."""
-    if storage.exists(L.manifest_path(step)):
-        return decode(storage.read_bytes(L.manifest_path(step)), L.manifest_path(step))
+    """Commit ``step`` from the newest complete attempt of the root's current owner, applying
+    the coordinator's rules: every rank's partial present, no failure marker or record, full
+    coverage, the owner unchanged. None when no attempt qualifies. Used by ``ckptd finalize``;
+    loads and ``latest_step()`` never commit anything."""
+    path = L.manifest_path(step)
+    try:
+        return decode(storage.read_bytes(path), path)
+    except FileNotFoundError:
+        pass
+    owner = read_owner(storage)
+    if owner is None:  # a root from before owner.json: any complete attempt
+        return _finalize_as(storage, step, None, 0)
+    return _finalize_as(storage, step, owner.run, owner.generation)
+
+
+def recover(storage: Storage, owner: Owner) -> list[int]:
+    """Commit ``owner``'s complete, unfailed attempts of steps after its newest commit."""
+    mine = [c.step for c in committed(storage) if c.generation == owner.generation]
+    after = max(mine, default=-1)
+    done = []
+    for step in all_steps(storage):
+        if step > after and not storage.exists(L.manifest_path(step)):
+            try:
+                if _finalize_as(storage, step, owner.run, owner.generation) is not None:
+                    done.append(step)
+            except CkptdError as e:
+                log.warning("ckptd: step %d of run %s cannot be committed: %s",
+                            step, owner.run, e)
+    return done
+
+
+def _finalize_as(
+    storage: Storage, step: int, run: str | None, generation: int
+) -> Manifest | None:
     best: Manifest | None = None
     for attempt in storage.list_dir(f"{L.step_dir(step)}/ranks"):
-        if storage.exists(L.failed_path(step, attempt)):
+        if run is not None and attempt_run(attempt) != run:
+            continue  # another job's attempt: never commit it into this owner's root
+        names = storage.list_dir(L.partials_dir(step, attempt))
+        if L.FAILED in names or any(L.is_rank_failure(n) for n in names):
             continue
         partials = read_partials(storage, step, attempt)
         if not partials or len(partials) != partials[0].world_size:
@@ -188,121 +344,10 @@ def finalize(storage: Storage, step: int) -> Manifest | None:
             best = m
     if best is None:
         return None
-    storage.put_atomic(L.manifest_path(step), best.encode())
-    storage.put_atomic(L.LATEST, L.step_dir(step).encode())
+    best = replace(best, generation=generation)
+    if run is None:
+        storage.put_atomic(L.manifest_path(step), best.encode())
+        storage.put_atomic(L.LATEST, L.step_dir(step).encode())
+    else:
+        commit(storage, best, run)
     return best
-
-
-def apply_retention(storage: Storage, keep_last: int) -> list[int]:
-    """Remove committed steps beyond the newest ``keep_last`` (never the newest one)."""
-    steps = committed_steps(storage)
-    doomed = steps[: max(0, len(steps) - max(1, keep_last))]
-    for s in doomed:
-        storage.remove(L.manifest_path(s))  # uncommit first: readers never see a half-deleted step
-        storage.remove(L.step_dir(s))
-    return doomed
-
-
-def incomplete_steps(storage: Storage) -> list[int]:
-    """Steps without a manifest that are older than the newest commit: no save can commit them
-    any more (a rank's saves run one after another, so by the time a newer step is committed an
-    older one has committed or failed), so their objects are garbage."""
-    committed = committed_steps(storage)
-    if not committed:
-        return []
-    newest = committed[-1]
-    return [s for s in all_steps(storage) if s < newest and s not in committed]
-
-
-def gc_incomplete(storage: Storage) -> list[int]:
-    """Remove step directories without a manifest that are older than the newest commit."""
-    doomed = incomplete_steps(storage)
-    for s in doomed:
-        storage.remove(L.step_dir(s))
-    return doomed
-
-
-@dataclass
-class GcReport:
-    removed_committed: list[int] = field(default_factory=list)
-    removed_incomplete: list[int] = field(default_factory=list)
-    aborted_uploads: int = 0
-
-
-def collect_garbage(
-    storage: Storage, *, keep_last: int = 0, upload_min_age_s: float | None = None
-) -> GcReport:
-    """``ckptd gc``: retention (``keep_last`` > 0), incomplete steps, and on object stores the
-    multipart uploads that failed saves left behind (invisible, but billed).
-
-    Uploads under steps older than the newest commit and without a manifest are aborted whatever
-    their age (such a step may show no object at all: an outage mid-upload leaves only uploads);
-    anywhere else under the root only those at least ``upload_min_age_s`` old (default:
-    ``config.gc_upload_min_age_s`` or twice ``commit_timeout_s``, whichever is longer), which
-    must exceed ``commit_timeout_s`` so that an upload of a save that may still commit is never
-    aborted. Backends without uploads (no ``abort_incomplete_uploads``) skip that part.
-    """
-    cfg = config.get()
-    min_age = (
-        max(cfg.gc_upload_min_age_s, 2 * cfg.commit_timeout_s)
-        if upload_min_age_s is None
-        else float(upload_min_age_s)
-    )
-    if min_age <= cfg.commit_timeout_s:
-        raise ValueError(
-            f"upload min age {min_age:g}s must exceed the commit timeout "
-            f"({cfg.commit_timeout_s:g}s): a younger upload may belong to a save still in flight"
-        )
-    report = GcReport()
-    if keep_last > 0:
-        report.removed_committed = apply_retention(storage, keep_last)
-    abort = getattr(storage, "abort_incomplete_uploads", None)
-    listed = getattr(storage, "incomplete_uploads", None)
-    committed = committed_steps(storage)
-    dead: list[int] = []
-    if committed:
-        steps = set(all_steps(storage))
-        if listed is not None:  # also steps that hold nothing but uploads
-            for path, _age in listed(""):
-                s = L.parse_step_dir(path.split("/", 1)[0])
-                if s is not None:
-                    steps.add(s)
-        dead = sorted(s for s in steps if s < committed[-1] and s not in committed)
-    for s in dead:
-        if abort is not None:
-            report.aborted_uploads += int(abort(L.step_dir(s), min_age_s=0.0))
-        storage.remove(L.step_dir(s))
-    report.removed_incomplete = dead
-    if abort is not None:
-        report.aborted_uploads += int(abort("", min_age_s=min_age))
-    return report
-
-
-def split_step_url(url: str) -> tuple[str, int | None]:
-    """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the newest committed)."""
-    head, _, tail = url.rstrip("/").rpartition("/")
-    step = L.parse_step_dir(tail)
-    if step is not None and head:
-        return head, step
-    return url.rstrip("/") or url, None
-
-
-def open_step(
-    url: str, storage_options: dict[str, Any] | None = None
-) -> tuple[Storage, int, Manifest]:
-    """The storage, step and manifest of a committed checkpoint named by ``url`` (a step
-    directory, or a root meaning its newest committed step)."""
-    root, step = split_step_url(url)
-    storage = open_storage(root, storage_options)
-    if step is None:
-        steps = committed_steps(storage)
-        if not steps:
-            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
-        step = steps[-1]
-    path = L.manifest_path(step)
-    try:
-        raw = storage.read_bytes(path)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
-    return storage, step, decode(raw, f"{storage.url}/{path}")
-

@@ -19,10 +19,12 @@ from ckptd.manifest import layout as L
 from ckptd.storage import Storage
 from ckptd.storage.base import append_text
 from ckptd.writer import commit as C
+from ckptd.writer import retention
 from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer.files import gather
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.pipeline import RankWriter, Round, Share, n_files, stage, stored_bytes
+from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
 log = logging.getLogger("ckptd")
@@ -36,6 +38,7 @@ class Job:
     rounds: list[Round]
     handle: SaveHandle
     codec: str  # this save's codec (compression="auto" chooses per save; urgent saves are raw)
+    overwrite: bool = False  # replace the step if it is already committed
     arena: Arena | None = None  # one round: staged in an arena, written in the background
     chunks: list[tuple[str, Chunk]] = field(default_factory=list)
     futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files already being written
@@ -54,6 +57,8 @@ class SaveDriver:
     world_size: int
     run_id: str
     keep_last: int
+    signals: Signals = field(default_factory=lambda: Signals(None))
+    generation: int = 0  # the coordinator's, from its claim of the root
 
     def run(self, job: Job) -> None:
         """Write (if not written yet), the partial manifest, commit; then retention."""
@@ -81,9 +86,11 @@ class SaveDriver:
             self.writer.write_partial(share, job.chunks)
             partial_written = True
             if self.rank == 0:
-                C.coordinate(self.storage, share.step, share.attempt, self.world_size, self.run_id)
+                C.coordinate(self.storage, share.step, share.attempt, self.world_size,
+                             self.run_id, generation=self.generation, overwrite=job.overwrite,
+                             signals=self.signals)
             else:
-                C.wait_committed(self.storage, share.step, share.attempt)
+                C.wait_committed(self.storage, share.step, share.attempt, self.signals)
             result = SaveResult(
                 share.step,
                 h.url,
@@ -97,8 +104,11 @@ class SaveDriver:
             log.error("ckptd: save of step %d failed: %s", share.step, e)
             h._set_failed(e)
             # best effort, after the error is delivered (an unreachable store retries every
-            # remove); the single driver thread still finishes it before the next save
+            # request); the single driver thread still finishes it before the next save
             if not partial_written:  # once a partial names them, a commit may still use them
+                # this rank's share failed: tell the others, or they wait for the timeout
+                C.record_failure(self.storage, self.signals, share.step, share.attempt,
+                                 self.rank, e)
                 self.writer.discard(share, n_files(job.rounds))
             return
         if self.rank == 0 and self.keep_last > 0:
@@ -106,7 +116,7 @@ class SaveDriver:
             # for 2 GiB here) and must not delay "committed"; the driver finishes it before the
             # next save's background work.
             try:
-                C.apply_retention(self.storage, self.keep_last)
+                retention.apply_retention(self.storage, self.keep_last)
             except OSError as e:
                 log.warning("ckptd: retention after step %d failed: %s", share.step, e)
 

@@ -41,20 +41,30 @@ class SaveHandle:
         self._lock = threading.Lock()
         self.on_wait_staged: list[object] = []
 
-    # -- producer side (the checkpointer) --
+    # -- producer side (the checkpointer); the first outcome wins, later ones are ignored (an
+    # interrupt in the caller may race the background thread's own outcome) --
     def _set_staged(self) -> None:
-        self.phase = Phase.STAGED
-        self._staged.set_result(None)
+        with self._lock:
+            if self._staged.done():
+                return
+            self.phase = Phase.STAGED
+            self._staged.set_result(None)
 
     def _set_committed(self, result: SaveResult) -> None:
-        self.phase = Phase.COMMITTED
-        self._committed.set_result(result)
+        with self._lock:
+            if self._committed.done():
+                return
+            self.phase = Phase.COMMITTED
+            self._committed.set_result(result)
 
     def _set_failed(self, error: BaseException) -> None:
-        self.phase = Phase.FAILED
-        if not self._staged.done():
-            self._staged.set_exception(error)
-        self._committed.set_exception(error)
+        with self._lock:
+            if self._committed.done():
+                return
+            self.phase = Phase.FAILED
+            if not self._staged.done():
+                self._staged.set_exception(error)
+            self._committed.set_exception(error)
 
     def _take_error(self) -> BaseException | None:
         """The background error, once: the first caller to take it raises it."""

@@ -73,6 +73,14 @@ class _Segments:
         with self.cond:
             self.cond.wait_for(lambda: self.busy == 0 and self.next == len(self.todo))
 
+    def cancel(self) -> None:
+        """Hand out no more segments and wait for those in flight: after an interrupt (Ctrl-C
+        lands in the caller's thread) no helper may still be writing into the arena once the
+        caller releases it for reuse."""
+        with self.cond:
+            self.next = len(self.todo)
+            self.cond.wait_for(lambda: self.busy == 0)
+
 
 def copy_all(copies: list[Copy], threads: int | None = None) -> None:
     """``memmove`` every ``(dst, src, n)``; returns when all are done. Uses up to ``threads``
@@ -87,5 +95,9 @@ def copy_all(copies: list[Copy], threads: int | None = None) -> None:
                 pool.submit(segments.work)
         except RuntimeError:  # interpreter shutdown: no new threads; the caller copies alone
             pass
-    segments.work()
-    segments.wait()
+    try:
+        segments.work()
+        segments.wait()
+    except BaseException:
+        segments.cancel()
+        raise

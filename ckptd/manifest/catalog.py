@@ -1,0 +1,127 @@
+"""The step catalog: which steps under a root are committed, which one is the newest, and
+opening one. Read-only: nothing here writes (committing is ``ckptd.writer.commit``'s).
+
+**Commit order, not step numbers.** A root can hold steps of several runs: a fine-tune into a
+reused directory, or a restart that renumbers, saves steps 1, 2, 3 beside an older run's
+998-1000. Each run that writes a root takes it over with a larger *generation* in
+``owner.json``, and every manifest records the generation of the run that committed it. The
+order of committed steps is ``(generation, step)``: a newer owner's steps come after an older
+owner's whatever their numbers, and within one owner the step number decides. "Latest" is the
+last in that order, for ``latest_step()``, ``load()``, ``ckptd ls/inspect ROOT`` and retention
+alike. Manifests written before generations existed count as generation 0.
+
+``latest`` (the pointer file) is advisory and never read here: the catalog lists the step
+directories and reads their manifests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
+from ckptd.manifest import layout as L
+from ckptd.manifest.schema import Manifest, decode
+from ckptd.storage import Storage, open_storage
+
+
+@dataclass(frozen=True)
+class Owner:
+    """``owner.json``: the run that writes the root now, and its generation."""
+
+    run: str
+    generation: int
+    since: float
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"run": self.run, "generation": self.generation, "since": self.since}
+        ).encode()
+
+
+def read_owner(storage: Storage) -> Owner | None:
+    try:
+        raw = storage.read_bytes(L.OWNER)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+        generation = doc.get("generation", 0)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise ValueError(f"generation {generation!r}")
+        return Owner(str(doc["run"]), generation, float(doc.get("since", 0.0)))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpoint(f"{storage.url}/{L.OWNER}: unreadable ({e})") from e
+
+
+@dataclass(frozen=True)
+class Committed:
+    step: int
+    generation: int
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.generation, self.step)
+
+
+def all_steps(storage: Storage) -> list[int]:
+    """Every step directory, committed or not, by number."""
+    return sorted(s for s in map(L.parse_step_dir, storage.list_dir("")) if s is not None)
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    path = L.manifest_path(step)
+    try:
+        raw = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
+    return decode(raw, f"{storage.url}/{path}")
+
+
+def committed(storage: Storage) -> list[Committed]:
+    """The committed steps, oldest first in commit order ``(generation, step)``. A damaged
+    manifest raises :class:`CorruptCheckpoint` naming it: skipping it could silently make an
+    older step the newest."""
+    out = []
+    for step in all_steps(storage):
+        try:
+            m = read_manifest(storage, step)
+        except CheckpointNotFound:
+            continue
+        out.append(Committed(step, m.generation))
+    return sorted(out, key=lambda c: c.order)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Committed step numbers, by number (for listings; use :func:`newest` for "latest")."""
+    return sorted(c.step for c in committed(storage))
+
+
+def newest(storage: Storage) -> Committed | None:
+    found = committed(storage)
+    return found[-1] if found else None
+
+
+def split_step_url(url: str) -> tuple[str, int | None]:
+    """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the newest committed)."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    step = L.parse_step_dir(tail)
+    if step is not None and head:
+        return head, step
+    return url.rstrip("/") or url, None
+
+
+def open_step(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, int, Manifest]:
+    """The storage, step and manifest of a committed checkpoint named by ``url`` (a step
+    directory, or a root meaning its newest committed step)."""
+    root, step = split_step_url(url)
+    storage = open_storage(root, storage_options)
+    if step is None:
+        last = newest(storage)
+        if last is None:
+            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
+        step = last.step
+    return storage, step, read_manifest(storage, step)

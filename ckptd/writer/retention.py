@@ -1,0 +1,131 @@
+"""Retention (``keep_last``) and garbage collection (``ckptd gc``).
+
+Retention removes whole committed steps beyond the newest ``keep_last`` in commit order
+(:mod:`ckptd.manifest.catalog`), never the newest. Garbage collection removes every attempt that
+no committed manifest names and that can never commit any more:
+
+- an attempt with a FAILED marker or a rank's failure record;
+- an attempt of a run that no longer owns the root (``owner.json``): the commit refuses it, and
+  its complete attempts were committed when the new owner took over, if they could be;
+- an attempt of the owner that is not newer than the owner's newest committed attempt: a rank's
+  saves run one after another, so once attempt N is committed, every earlier attempt of that run
+  has committed or failed on every rank (attempt ids are ``<run>-<sequence>``).
+
+So no clock is involved for files: an attempt of the owner newer than its newest commit may be
+in flight, or complete and waiting for the next owner to commit it, and is kept. On object
+stores, uploads under a removed attempt are aborted whatever their age; other uploads only when
+older than ``upload_min_age_s`` (an upload is invisible to listings, so it has no attempt to
+judge by until it completes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptd import config
+from ckptd.manifest import layout as L
+from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, read_owner
+from ckptd.storage import Storage
+from ckptd.writer.commit import attempt_run
+
+
+def apply_retention(storage: Storage, keep_last: int) -> list[int]:
+    """Remove committed steps beyond the newest ``keep_last`` in commit order (never the
+    newest one, whatever the step numbers say)."""
+    steps = committed(storage)
+    doomed = [c.step for c in steps[: max(0, len(steps) - max(1, keep_last))]]
+    for s in doomed:
+        storage.remove(L.manifest_path(s))  # uncommit first: readers never see a half-deleted step
+        storage.remove(L.step_dir(s))
+    return doomed
+
+
+@dataclass
+class GcReport:
+    removed_committed: list[int] = field(default_factory=list)  # by retention
+    removed_incomplete: list[int] = field(default_factory=list)  # whole uncommitted steps
+    removed_attempts: list[str] = field(default_factory=list)  # dead attempts in kept steps
+    aborted_uploads: int = 0
+
+
+def _seq(attempt: str) -> int:
+    tail = attempt.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+class _Judge:
+    """Which uncommitted attempts are dead (see the module docstring)."""
+
+    def __init__(self, storage: Storage, owner: Owner | None, commits: dict[int, str]) -> None:
+        self.storage = storage
+        self.owner = owner
+        self.newest_step = max(commits, default=-1)
+        mine = [a for a in commits.values() if owner is not None and attempt_run(a) == owner.run]
+        self.newest_seq = max(map(_seq, mine), default=-1)
+
+    def dead(self, step: int, attempt: str) -> bool:
+        names = self.storage.list_dir(L.partials_dir(step, attempt))
+        if L.FAILED in names or any(L.is_rank_failure(n) for n in names):
+            return True
+        if self.owner is None:  # a root from before owner.json
+            return step < self.newest_step
+        if attempt_run(attempt) != self.owner.run:
+            return True
+        return _seq(attempt) <= self.newest_seq
+
+
+def collect_garbage(
+    storage: Storage, *, keep_last: int = 0, upload_min_age_s: float | None = None
+) -> GcReport:
+    """``ckptd gc``: retention (``keep_last`` > 0), then every dead attempt, then (object
+    stores) abandoned uploads. ``upload_min_age_s`` defaults to ``config.gc_upload_min_age_s``
+    or twice ``commit_timeout_s``, whichever is longer, and must exceed ``commit_timeout_s``."""
+    cfg = config.get()
+    min_age = (
+        max(cfg.gc_upload_min_age_s, 2 * cfg.commit_timeout_s)
+        if upload_min_age_s is None
+        else float(upload_min_age_s)
+    )
+    if min_age <= cfg.commit_timeout_s:
+        raise ValueError(
+            f"upload min age {min_age:g}s must exceed the commit timeout "
+            f"({cfg.commit_timeout_s:g}s): a younger upload may belong to a save still in flight"
+        )
+    report = GcReport()
+    if keep_last > 0:
+        report.removed_committed = apply_retention(storage, keep_last)
+    abort = getattr(storage, "abort_incomplete_uploads", None)
+    listed = getattr(storage, "incomplete_uploads", None)
+    commits = {c.step: read_manifest(storage, c.step).attempt for c in committed(storage)}
+    judge = _Judge(storage, read_owner(storage), commits)
+
+    attempts: dict[int, set[str]] = {s: set() for s in all_steps(storage)}
+    for s in attempts:
+        for sub in ("data", "ranks"):
+            attempts[s].update(storage.list_dir(f"{L.step_dir(s)}/{sub}"))
+    if listed is not None:  # an outage mid-upload can leave a step with nothing but uploads
+        for path, _age in listed(""):
+            parts = path.split("/")
+            step = L.parse_step_dir(parts[0])
+            if step is not None and len(parts) > 2 and parts[1] == "data":
+                attempts.setdefault(step, set()).add(parts[2])
+
+    for step in sorted(attempts):
+        keep = commits.get(step)
+        dead = sorted(a for a in attempts[step] if a != keep and judge.dead(step, a))
+        if keep is None and len(dead) == len(attempts[step]):
+            if abort is not None:
+                report.aborted_uploads += int(abort(L.step_dir(step), min_age_s=0.0))
+            storage.remove(L.step_dir(step))
+            report.removed_incomplete.append(step)
+            continue
+        for a in dead:
+            for sub in ("data", "ranks"):
+                where = f"{L.step_dir(step)}/{sub}/{a}"
+                if abort is not None:
+                    report.aborted_uploads += int(abort(where, min_age_s=0.0))
+                storage.remove(where)
+            report.removed_attempts.append(f"{L.step_dir(step)}/{a}")
+    if abort is not None:
+        report.aborted_uploads += int(abort("", min_age_s=min_age))
+    return report
