@@ -55,6 +55,12 @@ class Box:
             return None
         return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
 
+    def hull(self, other: Box) -> Box:
+        """The smallest box containing both."""
+        lo = tuple(min(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(max(a, b) for a, b in zip(self.ends, other.ends, strict=True))
+        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+
     def contains(self, other: Box) -> bool:
         return all(
             so <= oo and oe <= se

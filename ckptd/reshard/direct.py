@@ -15,7 +15,6 @@ partially loaded.
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,9 +25,8 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import Chunk, Manifest
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.reshard.plan import Copy, Range, plan_load, row_major_strides
-from ckptd.reshard.reader import Buffers, ReadStats, run_ranges
+from ckptd.reshard.reader import Buffers, ReadStats, StepFiles, run_ranges
 from ckptd.sharding import Piece
-from ckptd.storage import LocalStorage, Storage
 from ckptd.writer import codecs
 
 
@@ -119,23 +117,15 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
     return reads, rest
 
 
-def _read_one(storage: LocalStorage, step_dir: str, d: DirectRead) -> None:
-    path = f"{step_dir}/{d.chunk.file}"
-    where = f"{storage.url}/{path}"
+def _read_one(files: StepFiles, d: DirectRead) -> None:
+    where = files.where(d.chunk.file)
     mem = memoryview(d.dest.numpy()).cast("B")  # type: ignore[arg-type]
     try:
-        fd = os.open(os.path.join(storage.root, path), os.O_RDONLY)
+        files.session.read_into(files.path(d.chunk.file), d.start, mem)
     except FileNotFoundError as e:
         raise CorruptCheckpoint(f"{where}: {d.tensor}: data file missing") from e
-    try:
-        done = 0
-        while done < len(mem):
-            n = os.preadv(fd, [mem[done:]], d.start + done)
-            if n == 0:
-                raise CorruptCheckpoint(f"{where}: {d.tensor}: data file truncated")
-            done += n
-    finally:
-        os.close(fd)
+    except EOFError as e:
+        raise CorruptCheckpoint(f"{where}: {d.tensor}: data file truncated ({e})") from e
     pos = 0
     for i in range(d.frame_lo, d.frame_hi):
         frame = d.chunk.frames[i]
@@ -147,18 +137,18 @@ def _read_one(storage: LocalStorage, step_dir: str, d: DirectRead) -> None:
         pos += frame.stored
 
 
-def fill(storage: Storage, step_dir: str, manifest: Manifest, ranges: list[Range],
+def fill(files: StepFiles, manifest: Manifest, ranges: list[Range],
          rank: int | None, pool: ThreadPoolExecutor, buffers: Buffers, gap_bytes: int,
          unit_bytes: int, stats: ReadStats | None = None) -> None:
-    """Read ``ranges`` into their destinations: directly where possible (local files only),
-    through ``buffers`` otherwise (the pieces left over are planned again, for their frames)."""
+    """Read ``ranges`` into their destinations: directly where the session reads into the
+    caller's memory (local files), through ``buffers`` otherwise (the pieces left over are
+    planned again, for their frames)."""
     from ckptd.reshard.load import copy_range
 
-    direct, rest = split(ranges, unit_bytes) if type(storage) is LocalStorage else ([], [])
+    direct, rest = split(ranges, unit_bytes) if files.session.fills_buffers else ([], [])
     if not direct:  # nothing to read directly: the planned ranges as they are
-        run_ranges(storage, step_dir, ranges, pool, buffers, copy_range, stats=stats)
+        run_ranges(files, ranges, pool, buffers, copy_range, stats=stats)
         return
-    assert isinstance(storage, LocalStorage)
     lock = threading.Lock()
     failed: list[BaseException] = []
     local = ReadStats()
@@ -167,7 +157,7 @@ def fill(storage: Storage, step_dir: str, manifest: Manifest, ranges: list[Range
         if failed:
             return
         try:
-            _read_one(storage, step_dir, d)
+            _read_one(files, d)
             with lock:
                 local.ranges += 1
                 local.stored_bytes += d.dest.numel()
@@ -179,7 +169,7 @@ def fill(storage: Storage, step_dir: str, manifest: Manifest, ranges: list[Range
     futures: list[Future[None]] = [pool.submit(one, d) for d in direct]
     plan = plan_load(manifest, rest, rank=rank, gap_bytes=gap_bytes, unit_bytes=unit_bytes)
     try:
-        run_ranges(storage, step_dir, plan.ranges, pool, buffers, copy_range, stats=stats)
+        run_ranges(files, plan.ranges, pool, buffers, copy_range, stats=stats)
     finally:
         for f in futures:
             f.result()

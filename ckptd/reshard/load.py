@@ -34,7 +34,7 @@ from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
 from ckptd.reshard import direct, read_once
 from ckptd.reshard.plan import LoadPlan, Range, plan_load, source_view
-from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, run_ranges
+from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, StepFiles, run_ranges
 from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
 from ckptd.storage import Storage
 from ckptd.world import dist_or_none, gather_object
@@ -195,38 +195,48 @@ def load_into(
     kept: set[int] = set()
     error: BaseException | None = None
     held: dict[int, Fetched] = {}
-    try:  # every rank must reach _agree, or its peers hang: errors wait until then
-        plan = make_plan(storage, manifest, mine, rank, buffers)
-        stats.needed_bytes, stats.planned_ranges = plan.needed_bytes, len(plan.ranges)
-        stats.runs = plan.runs(gap_bytes(storage))
-        kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
-                           remote="://" in storage.url)
-        clock("plan")
-        held = run_ranges(storage, step_dir, plan.ranges, pool, buffers, hold=kept,
-                          stats=stats.reads)
-    except Exception as e:  # noqa: BLE001 - raised by _agree, on every rank
-        error = e
-    clock("read")
+    files: StepFiles | None = None
     try:
-        _agree(error)
-    except BaseException:
-        _free(held, plan.ranges, buffers)
-        raise
-    clock("agree")
-    try:
-        futures = [pool.submit(copy_range, plan.ranges[i], got.data) for i, got in held.items()]
-        for f in futures:
-            f.result()
+        try:  # every rank must reach _agree, or its peers hang: errors wait until then
+            plan = make_plan(storage, manifest, mine, rank, buffers)
+            stats.needed_bytes, stats.planned_ranges = plan.needed_bytes, len(plan.ranges)
+            stats.runs = plan.runs(gap_bytes(storage))
+            # opened once for both passes: sizes checked before any buffer is allocated, and
+            # (locally) the files stay readable even if retention removes them meanwhile
+            files = StepFiles(storage, step_dir, {r.file for r in plan.ranges})
+            files.check_bounds(plan.ranges)
+            kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
+                               remote="://" in storage.url)
+            clock("plan")
+            held = run_ranges(files, plan.ranges, pool, buffers, hold=kept, stats=stats.reads)
+        except Exception as e:  # noqa: BLE001 - raised by _agree, on every rank
+            error = e
+        clock("read")
+        try:
+            _agree(error)
+        except BaseException:
+            _free(held, plan.ranges, buffers)
+            raise
+        assert files is not None
+        clock("agree")
+        try:
+            futures = [pool.submit(copy_range, plan.ranges[i], got.data)
+                       for i, got in held.items()]
+            for f in futures:
+                f.result()
+        finally:
+            _free(held, plan.ranges, buffers)
+        clock("copy")
+        rest = [r for i, r in enumerate(plan.ranges) if i not in kept]
+        if rest:
+            stats.passes = 2
+            direct.fill(files, manifest, rest, rank, pool, buffers, gap_bytes(storage),
+                        unit_bytes(storage, buffers), stats.reread)
+            stats.reads.add(stats.reread)
+            clock("reread")
     finally:
-        _free(held, plan.ranges, buffers)
-    clock("copy")
-    rest = [r for i, r in enumerate(plan.ranges) if i not in kept]
-    if rest:
-        stats.passes = 2
-        direct.fill(storage, step_dir, manifest, rest, rank, pool, buffers, gap_bytes(storage),
-                    unit_bytes(storage, buffers), stats.reread)
-        stats.reads.add(stats.reread)
-        clock("reread")
+        if files is not None:
+            files.close()
     if sharing is not None:
         stats.broadcast_bytes = sharing.broadcast(buffers)
         clock("broadcast")

@@ -36,7 +36,7 @@ from ckptd.manifest import Manifest, TensorEntry, merge
 from ckptd.manifest import layout as L
 from ckptd.reshard import direct
 from ckptd.reshard.load import gap_bytes, make_plan
-from ckptd.reshard.reader import Buffers, ReadStats
+from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -228,8 +228,10 @@ class Resharder:
                 plan = make_plan(self.source, self.manifest, pieces, None, read_budget)
                 stats = ReadStats()
                 before = read_budget.peak
-                direct.fill(self.source, self.src_dir, self.manifest, plan.ranges, None, io,
-                            read_budget, gap_bytes(self.source), read_budget.unit, stats)
+                with StepFiles(self.source, self.src_dir, {r.file for r in plan.ranges}) as files:
+                    files.check_bounds(plan.ranges)
+                    direct.fill(files, self.manifest, plan.ranges, None, io,
+                                read_budget, gap_bytes(self.source), read_budget.unit, stats)
                 rep.read_bytes += stats.stored_bytes
                 rep.ranges += stats.ranges
                 rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + max(before, read_budget.peak))

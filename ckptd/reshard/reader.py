@@ -9,14 +9,14 @@ over (fresh pages cost ~1 GB/s of page faults on a VM, as much as the disk). ``B
 is the reader's peak host memory for read buffers: allocated bytes, pooled ones included. A
 range larger than the whole budget is still read — alone.
 
-Local files (exactly :class:`ckptd.storage.LocalStorage`) are read straight into pooled buffers
-with ``preadv``; every other backend goes through ``Storage.read_ranges`` (its buffers are
-counted, not pooled).
+Files are read through one :class:`ckptd.storage.base.ReadSession` per load (:class:`StepFiles`):
+opened once, sizes known before anything is read. A session that fills buffers (local files)
+reads straight into pooled buffers; any other returns its own buffers, which are counted, not
+pooled.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -28,7 +28,8 @@ import torch
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 from ckptd.reshard.plan import Range, Read
-from ckptd.storage import LocalStorage, Storage
+from ckptd.storage import Storage
+from ckptd.storage.base import ReadSession, open_read
 from ckptd.writer import codecs
 
 Buf = bytearray | bytes | memoryview
@@ -177,20 +178,45 @@ def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | Non
     return as_uint8(stored)
 
 
-def _read_local(storage: LocalStorage, path: str, offset: int, buf: memoryview) -> None:
-    """``preadv`` into ``buf``: the local fast path (no intermediate buffer)."""
-    full = os.path.join(storage.root, path)
-    fd = os.open(full, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(buf):  # preadv may return short on some filesystems
-            n = os.preadv(fd, [buf[done:]], offset + done)
-            if n == 0:
-                raise EOFError(f"{full}: wanted {len(buf)} bytes at offset {offset}, file ends "
-                               f"after {done}")
-            done += n
-    finally:
-        os.close(fd)
+class StepFiles:
+    """The data files of one committed step, opened for one load (or verify, or reshard)."""
+
+    def __init__(self, storage: Storage, step_dir: str, files: Collection[str]) -> None:
+        self.url = storage.url
+        self.step_dir = step_dir
+        try:
+            self.session: ReadSession = open_read(storage, [self.path(f) for f in sorted(files)])
+        except FileNotFoundError as e:
+            raise CorruptCheckpoint(f"{e.filename or self.where('')}: data file missing") from e
+
+    def path(self, file: str) -> str:
+        return f"{self.step_dir}/{file}"
+
+    def where(self, file: str) -> str:
+        return f"{self.url}/{self.step_dir}/{file}"  # messages name the file as the user knows it
+
+    def size(self, file: str) -> int | None:
+        return self.session.sizes.get(self.path(file))
+
+    def check_bounds(self, ranges: Sequence[Range]) -> None:
+        """Every range inside its file, before a byte is read or a buffer allocated for it (a
+        manifest may claim a 64 GiB frame in a 17 KB file)."""
+        for rng in ranges:
+            size = self.size(rng.file)
+            if size is not None and rng.start + rng.length > size:
+                raise CorruptCheckpoint(
+                    f"{self.where(rng.file)}: {', '.join(rng.tensors)}: the manifest places "
+                    f"{rng.length} bytes at offset {rng.start}, past the end of the "
+                    f"{size}-byte file (truncated, or a corrupt frame table)")
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> StepFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Fetched:
@@ -208,20 +234,20 @@ class Fetched:
         self._counted = 0
 
 
-def fetch_range(storage: Storage, step_dir: str, rng: Range, buffers: Buffers) -> Fetched:
+def fetch_range(files: StepFiles, rng: Range, buffers: Buffers) -> Fetched:
     """Read, verify and decode one range (within a reservation of ``buffers.cost(rng)``)."""
-    path = f"{step_dir}/{rng.file}"
-    where = f"{storage.url}/{path}"  # messages name the file as the user knows it
+    path = files.path(rng.file)
+    where = files.where(rng.file)
     owned: list[bytearray] = []
     counted = 0
     try:
-        if type(storage) is LocalStorage:
+        if files.session.fills_buffers:
             buf = buffers.take(rng.length)
             owned.append(buf)
             view = memoryview(buf)[: rng.length]
-            _read_local(storage, path, rng.start, view)
+            files.session.read_into(path, rng.start, view)
         else:
-            (blob,) = storage.read_ranges(path, [(rng.start, rng.length)])
+            blob = files.session.read(path, rng.start, rng.length)
             counted = len(blob)
             buffers.count(counted)
             view = memoryview(blob)
@@ -248,8 +274,7 @@ def fetch_range(storage: Storage, step_dir: str, rng: Range, buffers: Buffers) -
 
 
 def run_ranges(
-    storage: Storage,
-    step_dir: str,
+    files: StepFiles,
     ranges: Sequence[Range],
     pool: ThreadPoolExecutor,
     buffers: Buffers,
@@ -276,7 +301,7 @@ def run_ranges(
         try:
             if failed:
                 return
-            got = fetch_range(storage, step_dir, rng, buffers)
+            got = fetch_range(files, rng, buffers)
             with lock:
                 local.ranges += 1
                 local.stored_bytes += rng.length

@@ -12,16 +12,18 @@ collapse the ``//`` of ``s3://``). A save calls, in this order::
 them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
 none (temp file + rename + directory fsync on a filesystem; a single PUT on an object store).
 
-Optional, beyond the eight methods: ``poll_interval_s``, a ``(first, longest)`` pause in seconds
-between two polls while the commit protocol waits on this storage (see :func:`poll_interval`);
-``incomplete_uploads(prefix) -> [(path, age_s)]`` and ``abort_incomplete_uploads(prefix, *,
-min_age_s) -> int`` where writes can leave invisible leftovers (S3 multipart uploads), for
-``ckptd gc``; ``append_text`` (see :func:`append_text`).
+Optional, beyond the eight methods: ``open_read(paths)`` (a :class:`ReadSession` for one load;
+:func:`open_read` gives every backend one); ``poll_interval_s``, a ``(first, longest)`` pause in
+seconds between two polls while the commit protocol waits on this storage (see
+:func:`poll_interval`); ``incomplete_uploads(prefix) -> [(path, age_s)]`` and
+``abort_incomplete_uploads(prefix, *, min_age_s) -> int`` where writes can leave invisible
+leftovers (S3 multipart uploads), for ``ckptd gc``; ``append_text`` (see :func:`append_text`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 from ckptd import config
@@ -65,6 +67,55 @@ class Storage(Protocol):
     def remove(self, path: str) -> None:
         """Remove an object or a whole prefix/directory; absent is not an error."""
         ...
+
+
+class ReadSession(Protocol):
+    """The data files of one load, opened once: their sizes are known before anything is
+    planned or allocated (a manifest may lie about them), and reads name a file and a range.
+
+    ``fills_buffers``: ``read_into`` writes straight into the caller's memory (local files);
+    otherwise ``read`` returns the backend's own buffer, which the caller uses in place (an
+    object store's response body) and ``read_into`` costs one more copy."""
+
+    sizes: dict[str, int]
+    fills_buffers: bool
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``path`` at ``offset``; EOFError if the file ends first."""
+        ...
+
+    def read(self, path: str, offset: int, length: int) -> Buffer: ...
+
+    def close(self) -> None: ...
+
+
+class _RangeSession:
+    """A :class:`ReadSession` over ``size`` and ``read_ranges`` (every backend has them)."""
+
+    fills_buffers = False
+
+    def __init__(self, storage: Storage, paths: Sequence[str], threads: int = 8) -> None:
+        self.storage = storage
+        unique = list(dict.fromkeys(paths))
+        with ThreadPoolExecutor(max(1, min(threads, len(unique)))) as pool:
+            self.sizes = dict(zip(unique, pool.map(storage.size, unique), strict=True))
+
+    def read(self, path: str, offset: int, length: int) -> Buffer:
+        (blob,) = self.storage.read_ranges(path, [(offset, length)])
+        return blob
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        blob = memoryview(self.read(path, offset, len(buf))).cast("B")
+        buf[: len(blob)] = blob
+
+    def close(self) -> None:
+        pass
+
+
+def open_read(storage: Storage, paths: Sequence[str]) -> ReadSession:
+    """The backend's own read session (``storage.open_read``) or one over its ranged reads."""
+    native = getattr(storage, "open_read", None)
+    return native(paths) if native is not None else _RangeSession(storage, paths)
 
 
 def join(*parts: str) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import threading
+import stat
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -25,16 +24,18 @@ def _direct_eligible(parts: list[memoryview]) -> bool:
     return total >= _DIRECT_MIN and all(len(p) % _DIRECT_ALIGN == 0 for p in parts)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class LocalStorage:
-    """A directory on a POSIX filesystem (local disk, NFS, Lustre...)."""
+    """A directory on a POSIX filesystem (local disk, NFS, Lustre...).
+
+    **Links inside the root are never followed.** Every path is opened one component at a
+    time from the root's directory descriptor with ``O_NOFOLLOW`` (``openat``), so a symlink
+    planted anywhere below the root (a ``step-...`` directory, ``metrics.jsonl``, a data file)
+    is refused with an error naming it, and ``remove`` unlinks a link itself, never what it
+    points to. On a shared, group-writable filesystem that is what keeps one user's link from
+    making another user's job write, read or delete outside its checkpoints. The root itself
+    may be a link (``/ckpt -> /mnt/fast/ckpt``). Anything but a regular file (a FIFO, a device)
+    is refused at open time, before a read could block or never end.
+    """
 
     def __init__(self, root: str, *, direct: bool = True) -> None:
         if root.startswith("file://"):
@@ -42,38 +43,82 @@ class LocalStorage:
         self.root = os.path.abspath(root)
         self.url = self.root
         self.direct = direct
-        self._made: set[str] = set()
-        self._lock = threading.Lock()
 
+    # -- paths ---------------------------------------------------------------------------------
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
 
-    def _ensure_parent(self, full: str) -> None:
-        parent = os.path.dirname(full)
-        with self._lock:
-            if parent in self._made:
-                return
-        os.makedirs(parent, exist_ok=True)
-        with self._lock:
-            self._made.add(parent)
+    def _parts(self, path: str) -> list[str]:
+        parts = [p for p in path.split("/") if p]
+        if "\0" in path or any(p in (".", "..") for p in parts) or path.startswith("/"):
+            raise StorageError(f"{self._abs(path)!r}: not a path inside the checkpoint root")
+        return parts
 
+    def _dir_fd(self, parts: list[str], create: bool) -> int:
+        """A descriptor of the directory ``root/parts``, walked without following links (and
+        made, with ``create``). FileNotFoundError when a component is missing."""
+        if create:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise _storage_error(e, self.root) from e
+        fd = _open(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+        try:
+            for i, name in enumerate(parts):
+                where = os.path.join(self.root, *parts[: i + 1])
+                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                try:
+                    nxt = _open(name, flags, fd, where, False)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    except OSError as e:
+                        raise _storage_error(e, where) from e
+                    nxt = _open(name, flags, fd, where, False)
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_file(self, path: str, flags: int, create_dirs: bool = False) -> int:
+        parts = self._parts(path)
+        if not parts:
+            raise StorageError(f"{self.root}: the root is not a file")
+        try:
+            dfd = self._dir_fd(parts[:-1], create_dirs)
+            try:
+                return _open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, dfd,
+                             self._abs(path), check_regular=True)
+            finally:
+                os.close(dfd)
+        except FileNotFoundError as e:  # name the whole path, not the last component
+            raise FileNotFoundError(errno.ENOENT, "no such file", self._abs(path)) from e
+
+    # -- writes --------------------------------------------------------------------------------
     def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
         full = self._abs(path)
-        self._ensure_parent(full)
         try:
             if _DIRECT_OK and self.direct and isinstance(parts, (list, tuple)):
                 views = [memoryview(p).cast("B") for p in parts]
                 if _direct_eligible(views):
-                    written = self._write_direct(full, views)
+                    written = self._write_direct(path, views)
                     if written is not None:
                         return written
-            return self._write_buffered(full, parts)
+            return self._write_buffered(path, parts)
+        except StorageError:
+            raise
         except OSError as e:
             raise _storage_error(e, full) from e
 
-    def _write_buffered(self, full: str, parts: Iterable[Buffer]) -> int:
+    def _write_buffered(self, path: str, parts: Iterable[Buffer]) -> int:
         total = 0
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = self._open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
         try:
             for part in parts:
                 total += self._write_all(fd, memoryview(part).cast("B"))
@@ -82,15 +127,17 @@ class LocalStorage:
             os.close(fd)
         return total
 
-    def _write_direct(self, full: str, parts: list[memoryview]) -> int | None:
+    def _write_direct(self, path: str, parts: list[memoryview]) -> int | None:
         """Write bypassing the page cache: faster here (benchmarks/save.py floors, 1 GiB on a
         loaded run: 2.1 vs 0.7 GB/s) and it leaves the training's memory bandwidth and cache
         alone. None if the filesystem or buffer refuses (EINVAL): the caller falls back to
         buffered I/O."""
         try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
+            fd = self._open_file(
+                path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, create_dirs=True
+            )
+        except StorageError as e:
+            if getattr(e, "errno", None) == errno.EINVAL:
                 return None
             raise
         total = 0
@@ -114,79 +161,246 @@ class LocalStorage:
         return done
 
     def put_atomic(self, path: str, data: bytes) -> None:
+        parts = self._parts(path)
         full = self._abs(path)
-        self._ensure_parent(full)
-        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        dfd = self._dir_fd(parts[:-1], create=True)
+        tmp = f"{parts[-1]}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, full)
-            _fsync_dir(os.path.dirname(full))
+            fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, dfd, full)
+            try:
+                self._write_all(fd, memoryview(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself
+            os.fsync(dfd)
         except OSError as e:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             except OSError:
                 pass
-            raise _storage_error(e, full) from e
-
-    def read_bytes(self, path: str) -> bytes:
-        with open(self._abs(path), "rb") as f:
-            return f.read()
-
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
-        full = self._abs(path)
-        out: list[bytearray] = []
-        fd = os.open(full, os.O_RDONLY)
-        try:
-            for offset, length in ranges:
-                data = bytearray(length)
-                view = memoryview(data)
-                done = 0
-                while done < length:  # preadv may return short on some filesystems
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                    if n == 0:
-                        raise EOFError(
-                            f"{full}: wanted {length} bytes at offset {offset}, file ends after "
-                            f"{done}"
-                        )
-                    done += n
-                out.append(data)
+            raise e if isinstance(e, StorageError) else _storage_error(e, full) from e
         finally:
-            os.close(fd)
-        return out
+            os.close(dfd)
 
     def append_text(self, path: str, text: str) -> None:
         """Append to a log-like file (metrics); not part of the storage contract."""
-        full = self._abs(path)
-        self._ensure_parent(full)
-        with open(full, "a") as f:
-            f.write(text)
+        fd = self._open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_dirs=True)
+        try:
+            self._write_all(fd, memoryview(text.encode()))
+        except OSError as e:
+            raise _storage_error(e, self._abs(path)) from e
+        finally:
+            os.close(fd)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        fd = self._open_file(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            out = bytearray(size)
+            _pread_all(fd, memoryview(out), 0, self._abs(path))
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
+        fd = self._open_file(path, os.O_RDONLY)
+        try:
+            out = []
+            for offset, length in ranges:
+                data = bytearray(length)
+                _pread_all(fd, memoryview(data), offset, self._abs(path))
+                out.append(data)
+            return out
+        finally:
+            os.close(fd)
+
+    def open_read(self, paths: Sequence[str]) -> LocalReadSession:
+        """Open ``paths`` once for a load: sizes known up front, reads with ``preadv`` into the
+        caller's buffers, and the files stay readable until ``close`` even if retention
+        removes them meanwhile (an unlinked file lives on while it is open)."""
+        return LocalReadSession(self, paths)
 
     def size(self, path: str) -> int:
-        return os.stat(self._abs(path)).st_size
+        fd = self._open_file(path, os.O_RDONLY)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._abs(path))
+        parts = self._parts(path)
+        if not parts:
+            return os.path.isdir(self.root)
+        try:
+            dfd = self._dir_fd(parts[:-1], create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise _storage_error(e, self._abs(path)) from e
+        finally:
+            os.close(dfd)
 
     def list_dir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(self._abs(path)))
+            fd = self._dir_fd(self._parts(path), create=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     def remove(self, path: str) -> None:
-        full = self._abs(path)
-        if os.path.isdir(full):
-            with self._lock:  # the directories made below it are gone with it
-                self._made = {d for d in self._made if d != full and not d.startswith(full + "/")}
-            shutil.rmtree(full, ignore_errors=True)
-        else:
+        parts = self._parts(path)
+        if not parts:
+            raise StorageError(f"{self.root}: refusing to remove the checkpoint root")
+        try:
+            dfd = self._dir_fd(parts[:-1], create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        name = parts[-1]
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                # fd-based and link-safe: never descends through a link
+                _rmtree_at(dfd, name)
+            else:  # a file, or a link (removed itself, never its target)
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _storage_error(e, self._abs(path)) from e
+        finally:
+            os.close(dfd)
+
+
+class LocalReadSession:
+    """Files of one load, opened once (see :meth:`LocalStorage.open_read`)."""
+
+    fills_buffers = True  # reads go straight into the caller's memory
+
+    def __init__(self, storage: LocalStorage, paths: Sequence[str]) -> None:
+        self.storage = storage
+        self._fds: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        try:
+            for p in dict.fromkeys(paths):
+                fd = storage._open_file(p, os.O_RDONLY)
+                self._fds[p] = fd
+                self.sizes[p] = os.fstat(fd).st_size
+        except BaseException:
+            self.close()
+            raise
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        fd = self._fds.get(path)
+        if fd is None:  # not opened up front: open it now
+            fd = self.storage._open_file(path, os.O_RDONLY)
+            self._fds[path] = fd
+        _pread_all(fd, buf, offset, self.storage._abs(path))
+
+    def read(self, path: str, offset: int, length: int) -> bytearray:
+        out = bytearray(length)
+        self.read_into(path, offset, memoryview(out))
+        return out
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> LocalReadSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open(
+    name: str,
+    flags: int,
+    dir_fd: int | None,
+    where: str,
+    check_regular: bool = False,
+    *,
+    root: bool = False,
+) -> int:
+    """``os.open`` with ckptd's errors: a link inside the root, a non-regular file, any other
+    OSError as :class:`StorageError` naming ``where``; FileNotFoundError stays itself (the
+    storage contract's "absent")."""
+    try:
+        fd = os.open(name, flags | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except ValueError as e:  # a NUL byte in the name
+        raise StorageError(f"{where!r}: not a valid file name ({e})") from e
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and not root and flags & os.O_NOFOLLOW:
             try:
-                os.unlink(full)
-            except FileNotFoundError:
-                pass
+                is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            except OSError:
+                is_link = False
+            if is_link:
+                raise StorageError(
+                    f"{where}: a symbolic link inside the checkpoint root; ckptd never follows "
+                    "links inside a root (docs/storage.md)"
+                ) from e
+            if e.errno == errno.ENOTDIR:
+                raise NotADirectoryError(e.errno, f"{where}: not a directory") from e
+        raise _storage_error(e, where) from e
+    if check_regular:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise StorageError(f"{where}: not a regular file (a FIFO, device or directory)")
+    return fd
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):  # preadv may return short on some filesystems
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OverflowError as e:
+            raise EOFError(f"{where}: offset {offset} out of range") from e
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise EOFError(f"{where}: offset {offset} is invalid") from e
+            raise _storage_error(e, where) from e
+        if n == 0:
+            raise EOFError(
+                f"{where}: wanted {len(buf)} bytes at offset {offset}, file ends after {done}"
+            )
+        done += n
+
+
+def _rmtree_at(dir_fd: int, name: str) -> None:
+    """Remove directory ``name`` under ``dir_fd`` and everything below it without following a
+    link (links are unlinked themselves)."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 dir_fd=dir_fd)
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                _rmtree_at(fd, entry.name)
+            else:
+                try:
+                    os.unlink(entry.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
 
 
 def _storage_error(e: OSError, path: str) -> StorageError:
