@@ -23,14 +23,13 @@ from typing import Any
 import torch
 
 from ckptd import config
-from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import Manifest, TensorEntry, catalog
+from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.manifest import Manifest, TensorEntry, catalog, codecs
 from ckptd.manifest import layout as L
 from ckptd.reshard.load import load_into
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.world import agree_run_id, dist_or_none, resolve_world
-from ckptd.writer import codecs
 from ckptd.writer import commit as C
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.driver import Job, SaveDriver
@@ -348,10 +347,30 @@ class Checkpointer:
             dcp = load_from_dcp(self, state, source=source, step=step, strict=strict, trust=trust)
             if dcp is not None:
                 return dcp
-        if step is None:
-            step = self._agreed_latest()
-            if step is None:
+        if step is not None:
+            try:
+                return self._load_step(state, step, strict)
+            except CorruptCheckpoint as e:  # its manifest was read: was it removed since?
+                if self._rotated_away(step):
+                    raise CheckpointNotFound(
+                        f"{self.url}/{L.step_dir(step)}: removed while it was being read "
+                        "(retention keeps only the newest steps: load a newer one)"
+                    ) from e
+                raise
+        for last_try in (False, True):
+            newest = self._agreed_latest()
+            if newest is None:
                 raise CheckpointNotFound(f"{self.url}: no committed checkpoint")
+            try:
+                return self._load_step(state, newest, strict)
+            except (CorruptCheckpoint, CheckpointNotFound):
+                if last_try or not self._rotated_away(newest):
+                    raise
+                log.warning("ckptd: step %d was removed by retention while being read; "
+                            "loading the newest step", newest)
+        raise AssertionError("unreachable")
+
+    def _load_step(self, state: Any, step: int, strict: bool) -> LoadResult:
         manifest = self.read_manifest(step)
         described = describe(state, self.rank, self.world_size)
         nbytes = load_into(
@@ -366,6 +385,14 @@ class Checkpointer:
         )
         self._last_step = max(self._last_step or step, step)
         return LoadResult(step, f"{self.url}/{L.step_dir(step)}", nbytes, dict(manifest.training))
+
+    def _rotated_away(self, step: int) -> bool:
+        """Whether ``step`` stopped being committed (retention uncommits before it deletes, so
+        every rank that sees a missing data file afterwards also sees the manifest gone)."""
+        try:
+            return not self.storage.exists(L.manifest_path(step))
+        except OSError:
+            return False
 
     def _agreed_latest(self) -> int | None:
         dist = dist_or_none()

@@ -38,6 +38,11 @@ class Tunables:
     # How long the coordinator waits for every rank's partial manifest before giving up. A rank
     # that died mid-save therefore fails the commit after this long, leaving `latest` unchanged.
     commit_timeout_s: float = 600.0
+    # A manifest larger than this is refused before it is parsed (every rank parses the
+    # manifest it loads; a manifest of padding would otherwise cost each rank GBs of memory).
+    # The largest real manifests in benchmarks/scale.py's simulations (Llama-70B with Adam, TP 8
+    # x DP at 1024 ranks, format 2) are ~44 MB: 256 MiB leaves ~6x room.
+    max_manifest_bytes: int = 256 << 20
     # `ckptd gc` aborts incomplete multipart uploads (S3) at least this old. An upload is only
     # useful to a save that can still commit: one whose ranks are still writing, or whose
     # coordinator is still waiting (at most `commit_timeout_s` after its own data is written).

@@ -12,6 +12,7 @@ import torch
 
 import ckptd
 from ckptd.manifest import layout as L
+from ckptd.manifest.schema import seal
 
 
 @pytest.fixture
@@ -50,11 +51,14 @@ def _load(root, dst, step=2, strict=True):
 
 
 def _rewrite_manifest(root, fn, step=2):
+    """Tamper with a manifest and seal it again with a valid digest (an adversary can do that:
+    the digest guards against damage, the validation against malice)."""
     with open(_manifest(root, step)) as f:
         doc = json.load(f)
+    doc.pop("digest", None)
     fn(doc)
-    with open(_manifest(root, step), "w") as f:
-        json.dump(doc, f)
+    with open(_manifest(root, step), "wb") as f:
+        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
 
 
 def test_missing_manifest_with_complete_partials_is_finalised_on_the_next_load(saved):

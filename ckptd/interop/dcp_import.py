@@ -28,11 +28,10 @@ from ckptd import config
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.dcp import read_chunks, read_objects
 from ckptd.interop.dcp_format import DcpChunk, DcpTensor, read_index
-from ckptd.manifest import Chunk, TensorEntry, dtype_name
+from ckptd.manifest import Chunk, TensorEntry, codecs, dtype_name
 from ckptd.manifest import layout as L
 from ckptd.sharding import Piece
 from ckptd.storage import open_storage
-from ckptd.writer import codecs
 from ckptd.writer import commit as C
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, stage
 from ckptd.writer.staging import StagingPool

@@ -12,17 +12,22 @@ name.
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
+from ckptd import config
 from ckptd.errors import CorruptCheckpoint
+from ckptd.manifest import codecs
 from ckptd.regions import Box
 
 FORMAT = "ckptd"
-VERSION = 1
+# 1: JSON; 2: the same, sealed with a digest of its own bytes (1 still loads)
+VERSION = 2
 CHECKSUM = "xxh3_64"
 
 _DTYPES = {
@@ -76,7 +81,7 @@ class Chunk:
     """``box`` of a logical tensor, stored row-major at ``file[offset : offset + length]``.
 
     The raw bytes are split into frames of ``frame_bytes`` (the last one shorter); ``codec``
-    says how each frame is stored (``raw``, ``zstd`` or ``zstd-planes``, see ``writer/codecs``).
+    says how each frame is stored (``raw``, ``zstd`` or ``zstd-planes``, see ``manifest/codecs``).
     """
 
     box: Box
@@ -155,34 +160,93 @@ class Manifest:
         return out
 
     def encode(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode()
+        """The file's bytes: compact JSON whose first key is its own digest (see
+        :func:`seal`)."""
+        return seal(json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode())
+
+
+# A manifest's digest covers its own bytes: ``{"digest":"xxh3_64:<16 hex>",...}`` hashed with the
+# 16 hex digits set to "0". It sits at a fixed place so a reader checks it before it parses
+# (or trusts) anything; the file stays plain JSON for people and tools.
+_DIGEST_HEAD = b'{"digest":"xxh3_64:'
+_DIGEST_END = len(_DIGEST_HEAD) + 16
+_ZEROS = b"0" * 16
+MAX_INT = 1 << 62  # sizes, offsets and counts: above this no file or tensor is real
+
+
+def seal(body: bytes) -> bytes:
+    assert body.startswith(b"{") and len(body) > 2
+    unsealed = _DIGEST_HEAD + _ZEROS + b'",' + body[1:]
+    digest = xxhash.xxh3_64_hexdigest(unsealed).encode()
+    return _DIGEST_HEAD + digest + unsealed[_DIGEST_END:]
+
+
+def _unseal(raw: bytes, where: str) -> bool:
+    """Check the digest; False when the manifest has none (format version 1)."""
+    if not raw.startswith(_DIGEST_HEAD):
+        return False
+    claimed = raw[len(_DIGEST_HEAD) : _DIGEST_END]
+    actual = xxhash.xxh3_64_hexdigest(raw[: len(_DIGEST_HEAD)] + _ZEROS + raw[_DIGEST_END:])
+    if claimed.decode(errors="replace") != actual:
+        raise CorruptCheckpoint(
+            f"{where}: the manifest's digest does not match its bytes (damaged or edited)"
+        )
+    return True
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """JSON from storage: duplicate keys, nesting too deep, integers too long for Python and
+    invalid UTF-8 are each a :class:`CorruptCheckpoint` naming ``where``."""
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{where}: not valid JSON ({e})") from e
 
 
 def decode(raw: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor."""
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid JSON ({e})") from e
+    limit = config.get().max_manifest_bytes
+    if len(raw) > limit:
+        raise CorruptCheckpoint(
+            f"{where}: {len(raw)} bytes, over the manifest limit of {limit} "
+            "(ckptd.config max_manifest_bytes, CKPTD_MAX_MANIFEST_BYTES)"
+        )
+    sealed = _unseal(raw, where)
+    doc = parse_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a ckptd manifest (no 'format': 'ckptd')")
     version = doc.get("version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise CorruptCheckpoint(f"{where}: missing format version")
     if version > VERSION:
         raise CorruptCheckpoint(
             f"{where}: format version {version} is newer than this ckptd understands "
             f"({VERSION}); upgrade ckptd to read it"
         )
+    if version >= 2 and not sealed:
+        raise CorruptCheckpoint(f"{where}: format version {version} without its digest")
     if doc.get("checksum") != CHECKSUM:
         raise CorruptCheckpoint(f"{where}: unsupported checksum algorithm {doc.get('checksum')!r}")
     try:
+        if not isinstance(doc["tensors"], dict):
+            raise TypeError("'tensors' is not an object")
         tensors = {name: _tensor(name, t, where) for name, t in doc["tensors"].items()}
         return Manifest(
             step=_int(doc["step"]),
-            attempt=str(doc["attempt"]),
-            world_size=_int(doc["world_size"]),
+            attempt=_name(doc["attempt"]),
+            world_size=_int(doc["world_size"], lo=1),
             created=float(doc["created"]),
             tensors=tensors,
             values=dict(doc.get("values", {})),
@@ -193,13 +257,21 @@ def decode(raw: bytes, where: str) -> Manifest:
         )
     except CorruptCheckpoint:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise CorruptCheckpoint(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
 
 
-def _int(v: Any) -> int:
+def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise ValueError(f"expected an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not v or "\0" in v or "/" in v:
+        raise ValueError(f"not a valid name: {v!r}")
     return v
 
 
@@ -215,6 +287,7 @@ def _safe_relpath(path: Any, where: str, tensor: str) -> str:
         or norm.startswith("..")
         or norm != path
         or not norm.startswith("data/")
+        or any(ord(ch) < 32 for ch in path)  # NUL and control characters
     ):
         raise CorruptCheckpoint(
             f"{where}: {tensor}: chunk file {path!r} escapes the checkpoint directory"
@@ -223,34 +296,70 @@ def _safe_relpath(path: Any, where: str, tensor: str) -> str:
 
 
 def _tensor(name: str, t: dict[str, Any], where: str) -> TensorEntry:
+    if not name or "\0" in name:
+        raise CorruptCheckpoint(f"{where}: tensor name {name!r} is not valid")
     dtype = dtype_from_name(t["dtype"], f"{where}: {name}")
     shape = tuple(_int(s) for s in t["shape"])
-    whole = Box.whole(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(shape) * itemsize > MAX_INT:
+        raise CorruptCheckpoint(f"{where}: {name}: shape {list(shape)} is impossibly large")
+    whole = Box.whole(shape)
     chunks = []
     for c in t["chunks"]:
-        box = Box.from_json(c["box"])
-        if not whole.contains(box):
-            raise CorruptCheckpoint(f"{where}: {name}: chunk box {c['box']} outside shape {shape}")
-        length = _int(c["length"])
-        if length != box.numel * itemsize:
+        try:
+            chunks.append(_chunk(c, whole, itemsize))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpoint(
-                f"{where}: {name}: chunk of {box.numel} elements claims {length} bytes"
-            )
-        frames = tuple(Frame(_int(f[0]), str(f[1])) for f in c["frames"])
-        frame_bytes = _int(c["frame_bytes"])
-        if frame_bytes <= 0 or frame_bytes % itemsize or len(frames) != -(-length // frame_bytes):
-            raise CorruptCheckpoint(f"{where}: {name}: chunk frames do not match its length")
-        chunks.append(
-            Chunk(
-                box=box,
-                file=_safe_relpath(c["file"], where, name),
-                offset=_int(c["offset"]),
-                length=length,
-                codec=str(c["codec"]),
-                frame_bytes=frame_bytes,
-                frames=frames,
-                rank=_int(c["rank"]),
-            )
-        )
+                f"{where}: {name}: malformed chunk ({type(e).__name__}: {e})"
+            ) from e
+    for c in chunks:
+        _safe_relpath(c.file, where, name)
     return TensorEntry(dtype, shape, tuple(chunks))
+
+
+def _chunk(c: dict[str, Any], whole: Box, itemsize: int) -> Chunk:
+    """One chunk, its frame table validated completely: a reader may then trust that the frames
+    tile the chunk (raw frames have exactly their raw length) and stay inside 2^62 bytes."""
+    raw_box = c["box"]
+    if not (isinstance(raw_box, list) and len(raw_box) == 2):
+        raise ValueError(f"a box is [offsets, sizes], got {raw_box!r}")
+    box = Box(tuple(_int(v) for v in raw_box[0]), tuple(_int(v) for v in raw_box[1]))
+    if box.ndim != whole.ndim or not whole.contains(box):
+        raise ValueError(f"box {raw_box} outside shape {list(whole.sizes)}")
+    length = _int(c["length"])
+    if length != box.numel * itemsize:
+        raise ValueError(f"a chunk of {box.numel} elements claims {length} bytes")
+    codec = c["codec"]
+    if codec not in codecs.CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    frame_bytes = _int(c["frame_bytes"], lo=1)
+    if frame_bytes % itemsize:
+        raise ValueError(f"frame size {frame_bytes} is not a multiple of the item size")
+    table = c["frames"]
+    if not isinstance(table, list) or len(table) != -(-length // frame_bytes):
+        raise ValueError(
+            f"{len(table) if isinstance(table, list) else table!r} frames for {length} bytes in "
+            f"frames of {frame_bytes}"
+        )
+    frames = []
+    for i, f in enumerate(table):
+        if not (isinstance(f, list) and len(f) == 2 and isinstance(f[1], str)
+                and len(f[1]) == 16):
+            raise ValueError(f"frame {i} is not [stored bytes, 16-hex-digit checksum]: {f!r}")
+        raw_len = min(frame_bytes, length - i * frame_bytes)
+        stored = _int(f[0], lo=1, hi=2 * raw_len + 4096)
+        if codec == codecs.RAW and stored != raw_len:
+            raise ValueError(f"raw frame {i} stores {stored} bytes for {raw_len}")
+        frames.append(Frame(stored, f[1]))
+    offset = _int(c["offset"])
+    _int(offset + sum(f.stored for f in frames))
+    return Chunk(
+        box=box,
+        file=c["file"] if isinstance(c["file"], str) else "",
+        offset=offset,
+        length=length,
+        codec=codec,
+        frame_bytes=frame_bytes,
+        frames=tuple(frames),
+        rank=_int(c["rank"]),
+    )

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from ckptd.errors import CorruptCheckpoint
-from ckptd.manifest import Chunk, Manifest
+from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.reshard.plan import Copy, Range, plan_load, row_major_strides
 from ckptd.reshard.reader import Buffers, ReadStats, StepFiles, run_ranges
 from ckptd.sharding import Piece
-from ckptd.writer import codecs
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, TensorEntry, merge
+from ckptd.manifest import Manifest, TensorEntry, codecs, merge
 from ckptd.manifest import layout as L
 from ckptd.reshard import direct
 from ckptd.reshard.load import gap_bytes, make_plan
@@ -40,7 +40,6 @@ from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
-from ckptd.writer import codecs
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds
 from ckptd.writer.staging import StagingPool
 

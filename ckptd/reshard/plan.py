@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptd.manifest import Chunk, Manifest
+from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.sharding import Piece
-from ckptd.writer import codecs
 
 # Above this many separate runs a region's frames are taken as its whole span (planning cost
 # stays bounded; only pathological shapes get there, and then the span is nearly dense).

@@ -27,10 +27,10 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
+from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read
 from ckptd.storage import Storage
 from ckptd.storage.base import ReadSession, open_read
-from ckptd.writer import codecs
 
 Buf = bytearray | bytes | memoryview
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import uuid
@@ -10,6 +11,8 @@ from collections.abc import Iterable, Sequence
 
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer
+
+log = logging.getLogger("ckptd")
 
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
@@ -248,12 +251,21 @@ class LocalStorage:
             os.close(dfd)
 
     def list_dir(self, path: str) -> list[str]:
+        """Names of the children, links left out (with a warning): ckptd never uses a link
+        inside the root, so to the catalog, retention and gc a planted link does not exist."""
         try:
             fd = self._dir_fd(self._parts(path), create=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
         try:
-            return sorted(os.listdir(fd))
+            names = []
+            for entry in os.scandir(fd):
+                if entry.is_symlink():
+                    log.warning("ckptd: ignoring %s: a symbolic link inside the checkpoint root",
+                                os.path.join(self._abs(path), entry.name))
+                    continue
+                names.append(entry.name)
+            return sorted(names)
         finally:
             os.close(fd)
 

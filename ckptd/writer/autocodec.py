@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptd.writer import codecs
+from ckptd.manifest import codecs
 
 SAMPLE_BYTES = 4 << 20
 GAIN = 0.9  # compress only if it saves at least 10 %

@@ -8,11 +8,10 @@ from concurrent.futures import Future
 import torch
 
 from ckptd import config
-from ckptd.manifest import Chunk, Frame
+from ckptd.manifest import Chunk, Frame, codecs
 from ckptd.regions import Box
 from ckptd.storage import Storage
 from ckptd.storage.base import Buffer
-from ckptd.writer import codecs
 from ckptd.writer.pack import FilePlan
 
 ChunkList = list[tuple[str, Chunk]]

@@ -1,0 +1,290 @@
+"""Manifests and roots built to hurt: lying frame tables, absurd sizes, hostile JSON, flipped
+bits, links and FIFOs inside the root. Each is refused with a one-line CkptdError naming the file
+(and tensor), by `load` and by `ckptd verify` alike, before any destination tensor is touched and
+without allocating what the manifest claims."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import config
+from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
+from ckptd.manifest import catalog
+from ckptd.manifest import layout as L
+from ckptd.manifest.schema import decode, seal
+from ckptd.reshard.verify import verify
+from ckptd.storage.local import LocalStorage
+
+N = 4096  # elements of each 1-D tensor
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Step 1: two raw float32 tensors of 16 KiB, each one chunk of four 4 KiB frames."""
+    r = str(tmp_path / "root")
+    with config.override(frame_bytes=4096, min_frame_bytes=4096):
+        with ckptd.Checkpointer(r, run_id="writer") as c:
+            c.save({"a": torch.arange(float(N)), "b": torch.arange(float(N)) * 2}, step=1)
+    return r
+
+
+def _dest():
+    return {"a": torch.full((N,), -1.0), "b": torch.full((N,), -1.0)}
+
+
+def _untouched(dst) -> bool:
+    return all(torch.equal(t, torch.full((N,), -1.0)) for t in dst.values())
+
+
+def _path(root, step=1):
+    return os.path.join(root, L.manifest_path(step))
+
+
+def _tamper(root, fn, step=1, *, reseal=True):
+    with open(_path(root, step), "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("digest", None)
+    fn(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(_path(root, step), "wb") as f:
+        f.write(seal(body) if reseal else body)
+
+
+def _write_raw(root, text: bytes, step=1):
+    """Replace the manifest with exactly these bytes, sealed (a hostile but well-signed file)."""
+    with open(_path(root, step), "wb") as f:
+        f.write(seal(text) if text.startswith(b"{") else text)
+
+
+def _load_error(root, dst=None, **kw) -> str:
+    dst = _dest() if dst is None else dst
+    with pytest.raises(CkptdError) as err:
+        with ckptd.Checkpointer(root, read_only=True) as c:
+            c.load(dst, step=1, **kw)
+    assert _untouched(dst)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def _verify_problems(root) -> list[str]:
+    storage = LocalStorage(root)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            manifest = catalog.read_manifest(storage, 1)
+        except CkptdError as e:
+            return [str(e)]
+        return verify(storage, L.step_dir(1), manifest, pool).problems
+
+
+def _both_refuse(root, pattern: str) -> None:
+    """load and verify agree: each refuses, with the same reason."""
+    import re
+
+    message = _load_error(root)
+    assert re.search(pattern, message), message
+    problems = _verify_problems(root)
+    assert problems and any(re.search(pattern, p) for p in problems), problems
+
+
+# ----------------------------------------------------------------------------- frame tables
+def test_raw_frames_of_the_wrong_sizes_are_refused_by_load_and_verify(root):
+    def uneven(doc):  # [L/4, 3L/4] with frame_bytes L/2; checksums of those very bytes
+        chunk = doc["tensors"]["b"]["chunks"][0]
+        data = open(os.path.join(root, L.step_dir(1), chunk["file"]), "rb").read()
+        lo, n = chunk["offset"], chunk["length"]
+        import xxhash
+
+        first, second = data[lo : lo + n // 4], data[lo + n // 4 : lo + n]
+        chunk["frame_bytes"] = n // 2
+        chunk["frames"] = [[len(first), xxhash.xxh3_64_hexdigest(first)],
+                           [len(second), xxhash.xxh3_64_hexdigest(second)]]
+
+    _tamper(root, uneven)
+    _both_refuse(root, r"manifest.json: b: malformed chunk .*raw frame 0 stores 4096 bytes for "
+                       r"8192")
+
+
+def test_a_raw_chunk_claiming_one_frame_of_half_its_length_is_refused_before_any_copy(root):
+    def half(doc):
+        chunk = doc["tensors"]["b"]["chunks"][0]
+        chunk["frame_bytes"] = chunk["length"]
+        chunk["frames"] = [[chunk["length"] // 2, chunk["frames"][0][1]]]
+
+    _tamper(root, half)
+    _both_refuse(root, r"b: malformed chunk .*raw frame 0 stores 8192 bytes for 16384")
+
+
+def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root):
+    def compressed_and_huge(doc):  # zstd frames may be larger than raw; not past the file
+        chunk = doc["tensors"]["a"]["chunks"][0]
+        chunk["codec"] = "zstd"
+        chunk["frames"][-1][0] = 2 * 4096 + 4096  # the largest stored size allowed
+        chunk["offset"] = (1 << 40)  # a terabyte into a 32 KiB file
+
+    _tamper(root, compressed_and_huge)
+    tracemalloc.start()
+    try:
+        message = _load_error(root)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "past the end of the" in message and "a" in message.split(": ")[1]
+    assert peak < 16 << 20, peak
+    assert any("past the end" in p for p in _verify_problems(root))
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("offset", 1 << 63, r"outside \[0, 4611686018427387904\]"),
+        ("offset", -16, r"-16 is outside"),
+        ("frame_bytes", 1 << 62, r"frames for 16384 bytes"),
+        ("frames", [[1 << 62, "0" * 16]] * 4, r"outside \[1, 12288\]"),
+        ("file", "data/x\u0000y.bin", r"escapes the checkpoint directory"),
+        ("box", [[0], [-4]], r"-4 is outside"),
+    ],
+)
+def test_absurd_numbers_and_names_are_corrupt_checkpoints(root, field, value, reason):
+    _tamper(root, lambda d: d["tensors"]["a"]["chunks"][0].update({field: value}))
+    _both_refuse(root, reason)
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, r"nested too deeply|not valid JSON"),
+        (b'{"format":"ckptd","version":' + b"7" * 5000 + b"}", r"not valid JSON"),
+        (b'{"format":"ckptd","format":"ckptd"}', r"duplicate key 'format'"),
+    ],
+    ids=["deep", "long-int", "duplicate-key"],
+)
+def test_hostile_json_is_a_corrupt_checkpoint(root, text, reason):
+    _write_raw(root, text)
+    _both_refuse(root, reason)
+
+
+def test_a_shape_whose_size_overflows_is_corrupt(root):
+    _tamper(root, lambda d: d["tensors"]["a"].update(shape=[1 << 40, 1 << 40]))
+    _both_refuse(root, r"a: shape \[1099511627776, 1099511627776\] is impossibly large")
+
+
+def test_a_manifest_over_the_size_limit_is_refused_before_it_is_parsed(root):
+    with config.override(max_manifest_bytes=100):
+        _both_refuse(root, r"over the manifest limit of 100 ")
+
+
+# ----------------------------------------------------------------------------- the digest
+def test_every_single_bit_flip_of_a_manifest_is_detected(tmp_path):
+    r = str(tmp_path / "small")
+    with ckptd.Checkpointer(r, run_id="w") as c:
+        c.save({"w": torch.ones(3), "lr": 0.001, "step": 10})
+    raw = open(_path(r, 10), "rb").read()
+    decode(raw, "ok")  # the original is fine
+    silent = []
+    for i in range(len(raw) * 8):
+        flipped = bytearray(raw)
+        flipped[i // 8] ^= 1 << (i % 8)
+        try:
+            decode(bytes(flipped), "flipped")
+        except CorruptCheckpoint:
+            continue
+        silent.append(i)
+    assert silent == [], f"{len(silent)} of {len(raw) * 8} flips went unnoticed"
+
+
+def test_a_manifest_of_format_1_without_a_digest_still_loads(tmp_path):
+    """A checkpoint written by ckptd 0.1.0 (format version 1), kept as a fixture."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "format1")
+    dst = {"model": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}, "step": -1}
+    with ckptd.Checkpointer(fixture, read_only=True) as c:
+        result = c.load(dst)
+    assert result.step == 3 and dst["step"] == 3
+    assert torch.equal(dst["model"]["w"], torch.arange(16.0).reshape(4, 4))
+    assert torch.equal(dst["model"]["b"], torch.full((4,), 0.5))
+
+
+# ----------------------------------------------------------------------------- links, FIFOs
+def test_a_symlinked_metrics_file_is_never_written_through(tmp_path, caplog):
+    r = tmp_path / "root"
+    r.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.symlink(victim, r / L.METRICS)
+    with caplog.at_level(logging.WARNING, logger="ckptd"):
+        with ckptd.Checkpointer(str(r), run_id="w") as c:
+            c.save({"w": torch.ones(2)}, step=1)
+    assert victim.read_text() == "precious\n"
+    assert "symbolic link inside the checkpoint root" in caplog.text
+
+
+def test_a_planted_step_link_receives_nothing(tmp_path):
+    r = tmp_path / "root"
+    r.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, r / L.step_dir(5))
+    with ckptd.Checkpointer(str(r), run_id="w") as c:
+        with pytest.raises(StorageError, match=rf"{L.step_dir(5)}: a symbolic link inside the "
+                                                r"checkpoint root"):
+            c.save({"w": torch.ones(2)}, step=5)
+    assert os.listdir(elsewhere) == []
+
+
+def test_retention_never_deletes_through_a_symlinked_step(tmp_path):
+    r = tmp_path / "root"
+    with ckptd.Checkpointer(str(r), run_id="w", keep_last=0) as c:
+        c.save({"w": torch.ones(2)}, step=1)
+    outside = tmp_path / "outside"
+    os.rename(r / L.step_dir(1), outside)  # a step that lives elsewhere, linked back in
+    os.symlink(outside, r / L.step_dir(1))
+    with ckptd.Checkpointer(str(r), run_id="w2", keep_last=1) as c:
+        c.save({"w": torch.ones(2)}, step=2)  # retention then looks at step 1
+        c.save({"w": torch.ones(2)}, step=3)
+    assert os.path.exists(outside / L.MANIFEST)  # nothing deleted through the link
+
+
+def test_a_data_file_linking_outside_the_root_is_refused(root, tmp_path):
+    chunk_file = json.loads(open(_path(root), "rb").read())["tensors"]["a"]["chunks"][0]["file"]
+    inside = os.path.join(root, L.step_dir(1), chunk_file)
+    copy = tmp_path / "copy.bin"
+    copy.write_bytes(open(inside, "rb").read())  # identical bytes: checksums would pass
+    os.unlink(inside)
+    os.symlink(copy, inside)
+    _both_refuse(root, r"a symbolic link inside the checkpoint root")
+
+
+def test_a_manifest_linking_to_dev_zero_is_refused_at_once(root):
+    os.unlink(_path(root))
+    os.symlink("/dev/zero", _path(root))
+    message = _load_error(root)
+    assert "symbolic link inside the checkpoint root" in message
+
+
+def test_a_fifo_named_like_a_data_file_never_hangs(root):
+    chunk_file = json.loads(open(_path(root), "rb").read())["tensors"]["a"]["chunks"][0]["file"]
+    inside = os.path.join(root, L.step_dir(1), chunk_file)
+    os.unlink(inside)
+    os.mkfifo(inside)
+    _both_refuse(root, r"not a regular file")
+
+
+def test_a_root_that_cannot_be_created_is_a_storage_error_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StorageError, match=rf"^{blocker}/root: Not a directory$"):
+        ckptd.Checkpointer(str(blocker / "root"), run_id="w")
+    bad = tmp_path / "ok"
+    with ckptd.Checkpointer(str(bad), run_id="w") as c:
+        with pytest.raises(StorageError, match="not a path inside the checkpoint root"):
+            c.storage.put_atomic("step-1/../../escape", b"x")
+        with pytest.raises(StorageError, match="not a path inside the checkpoint root"):
+            c.storage.put_atomic("with\x00nul", b"x")
