@@ -1,4 +1,4 @@
-"""Checksum throughput: the figure behind ckptd's choice of xxh3_64 (ckptd/writer/codecs.py).
+"""Checksum throughput: the figure behind ckptd's choice of xxh3_64 (ckptd/manifest/codecs.py).
 
     python benchmarks/checksum.py [--size 256MiB] [--runs 5] [--frame 1MiB] [--json out.json]
 

@@ -1,30 +1,58 @@
 """ckptd: world-size-agnostic, non-stalling checkpoints for elastic distributed PyTorch training.
 
-The public surface is exactly ``__all__`` (see API.md); everything else is private.
+The public surface is exactly ``__all__`` (API.md's names, plus the three errors
+``docs/api.md`` adds); everything else is private. Names are imported on first use, so that
+``import ckptd`` (and the ``ckptd`` command's start-up, ``--help``, ``ls``, ``plan``) does not
+pay for importing torch (seconds) until something needs it.
 """
 
-from ckptd import elastic
-from ckptd.api import init, latest_step, load, save, save_async, wait
-from ckptd.checkpointer import Checkpointer, LoadResult
-from ckptd.elastic.preemption import on_preemption, preempted
-from ckptd.errors import CkptdError, CorruptCheckpoint, StateMismatch
-from ckptd.sharding import FlatShard, Fused, Local, Shard
-from ckptd.writer.handle import SaveHandle, SaveResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "init": "ckptd.api",
+    "latest_step": "ckptd.api",
+    "load": "ckptd.api",
+    "save": "ckptd.api",
+    "save_async": "ckptd.api",
+    "wait": "ckptd.api",
+    "Checkpointer": "ckptd.checkpointer",
+    "LoadResult": "ckptd.checkpointer",
+    "on_preemption": "ckptd.elastic.preemption",
+    "preempted": "ckptd.elastic.preemption",
+    "CheckpointNotFound": "ckptd.errors",
+    "CkptdError": "ckptd.errors",
+    "CorruptCheckpoint": "ckptd.errors",
+    "ForeignWriter": "ckptd.errors",
+    "StateMismatch": "ckptd.errors",
+    "StorageError": "ckptd.errors",
+    "FlatShard": "ckptd.sharding",
+    "Fused": "ckptd.sharding",
+    "Local": "ckptd.sharding",
+    "Shard": "ckptd.sharding",
+    "SaveHandle": "ckptd.writer.handle",
+    "SaveResult": "ckptd.writer.handle",
+}
+
 __all__ = [
+    "CheckpointNotFound",
     "Checkpointer",
     "CkptdError",
     "CorruptCheckpoint",
     "FlatShard",
+    "ForeignWriter",
     "Fused",
-    "Local",
     "LoadResult",
+    "Local",
     "SaveHandle",
     "SaveResult",
     "Shard",
     "StateMismatch",
+    "StorageError",
     "elastic",
     "init",
     "latest_step",
@@ -35,3 +63,35 @@ __all__ = [
     "save_async",
     "wait",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "elastic":
+        return importlib.import_module("ckptd.elastic")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ckptd import elastic
+    from ckptd.api import init, latest_step, load, save, save_async, wait
+    from ckptd.checkpointer import Checkpointer, LoadResult
+    from ckptd.elastic.preemption import on_preemption, preempted
+    from ckptd.errors import (
+        CheckpointNotFound,
+        CkptdError,
+        CorruptCheckpoint,
+        ForeignWriter,
+        StateMismatch,
+        StorageError,
+    )
+    from ckptd.sharding import FlatShard, Fused, Local, Shard
+    from ckptd.writer.handle import SaveHandle, SaveResult

@@ -12,7 +12,7 @@ import torch
 
 import ckptd
 from ckptd.manifest import layout as L
-from ckptd.manifest.schema import seal
+from ckptd.manifest.envelope import seal
 
 
 @pytest.fixture

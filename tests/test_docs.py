@@ -21,7 +21,7 @@ CASES = [
 @pytest.mark.parametrize("code", CASES)
 def test_documentation_example_runs(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    import ckptd
+    import ckptd.api
 
     try:
         exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})

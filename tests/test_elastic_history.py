@@ -160,12 +160,24 @@ def test_history_json_of_one_step(elastic_ckpt: str, capsys: pytest.CaptureFixtu
     assert doc["step"] == 4 and len(doc["history"]) == 1
 
 
-def test_history_of_a_checkpoint_without_elastic_metadata_exits_2(
+def test_history_of_a_checkpoint_without_elastic_metadata_shows_its_steps(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with ckptd.Checkpointer(str(tmp_path / "plain"), rank=0, world_size=1) as ckpt:
-        ckpt.save({"w": torch.ones(1)}, step=3)
-    assert main(["history", str(tmp_path / "plain")]) == 2
-    assert "step 3: no elastic training metadata" in capsys.readouterr().err
+    root = str(tmp_path / "plain")
+    with ckptd.Checkpointer(root, rank=0, world_size=1) as ckpt:
+        ckpt.save({"w": torch.ones(1 << 10)}, step=3)
+        ckpt.save({"w": torch.ones(1 << 10)}, step=5)
+    assert main(["history", root]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"committed steps under {root}:"
+    assert [line.split()[:3] for line in out[3:5]] == [["3", "1", "4.0"], ["5", "1", "4.0"]]
+    assert "step 5 has no elastic training metadata" in out[-1]
+    assert main(["history", root, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["world_size"], r["nbytes"]) for r in doc["steps"]] == [
+        (3, 1, 4096), (5, 1, 4096)]
+    assert doc["elastic"] is None
+    assert main(["history", root, "--plot", str(tmp_path / "x.png")]) == 2
+    assert "no elastic metadata" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the demo

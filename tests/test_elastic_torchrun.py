@@ -24,7 +24,7 @@ import torch
 
 import ckptd
 from ckptd.cli import main
-from ckptd.elastic.commands import read_meta
+from ckptd.cli.elastic import read_meta
 from ckptd.elastic.demo import Cluster, _descendants, step_reached
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,8 @@ from ckptd import config
 from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
 from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
-from ckptd.manifest.schema import decode, seal
+from ckptd.manifest.envelope import seal
+from ckptd.manifest.schema import decode
 from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalStorage
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptd.elastic import (
+from ckptd.elastic.preemption import (
     PreemptionError,
     grace_deadline,
     on_preemption,

@@ -20,6 +20,10 @@ API_NAMES = {
     "CkptdError",
     "CorruptCheckpoint",
     "StateMismatch",
+    # docs/api.md adds the three other errors users meet
+    "CheckpointNotFound",
+    "StorageError",
+    "ForeignWriter",
     "on_preemption",
     "preempted",
     "elastic",
@@ -32,8 +36,43 @@ def test_all_is_exactly_the_documented_public_names():
         assert getattr(ckptd, name) is not None
 
 
-def test_errors_inherit_the_matching_builtins():
-    assert issubclass(ckptd.CorruptCheckpoint, ckptd.CkptdError)
-    assert issubclass(ckptd.CorruptCheckpoint, ValueError)
-    assert issubclass(ckptd.StateMismatch, ckptd.CkptdError)
+def test_every_error_class_is_a_ckptd_error_and_inherits_its_builtin():
+    import inspect
+
+    import ckptd.errors
+
+    builtins = {
+        "CorruptCheckpoint": ValueError,
+        "StateMismatch": ValueError,
+        "CheckpointNotFound": FileNotFoundError,
+        "StorageError": OSError,
+        "ForeignWriter": None,
+    }
+    defined = {n for n, c in inspect.getmembers(ckptd.errors, inspect.isclass)
+               if c.__module__ == "ckptd.errors" and n != "CkptdError"}
+    assert defined == set(builtins)  # a new error class gets its line here and in errors.py
+    for name, builtin in builtins.items():
+        cls = getattr(ckptd, name)
+        assert issubclass(cls, ckptd.CkptdError), name
+        if builtin is not None:
+            assert issubclass(cls, builtin), name
+        assert name in ckptd.errors.__doc__  # the hierarchy drawn in the module docstring
     assert issubclass(ckptd.elastic.NoFeasiblePlan, ckptd.CkptdError)
+
+
+def test_elastic_exports_exactly_its_documented_names():
+    import pathlib
+
+    docs = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    for name in ckptd.elastic.__all__:
+        assert getattr(ckptd.elastic, name) is not None
+        assert f"`{name}`" in docs, f"ckptd.elastic.{name} is exported but not in docs/api.md"
+
+
+def test_import_ckptd_imports_no_torch_until_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptd, ckptd.cli; assert 'torch' not in sys.modules, 'torch'; "
+            "ckptd.Shard; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

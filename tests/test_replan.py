@@ -21,14 +21,12 @@ from ckptd.elastic import (
     NoFeasiblePlan,
     Plan,
     TrainingSpec,
-    batch_band,
     estimate_memory,
-    parse_world_range,
     plan_table,
-    render_json,
-    render_markdown,
     replan,
 )
+from ckptd.elastic.search import batch_band
+from ckptd.elastic.table import parse_world_range, render_json, render_markdown
 from ckptd.errors import CkptdError
 
 GIB = 2**30

@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec
+from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec
 from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd.elastic")

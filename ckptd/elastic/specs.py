@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,3 +102,18 @@ class TrainingSpec:
         if missing:
             raise InvalidSpec(f"TrainingSpec record lacks {', '.join(missing)}: {dict(data)!r}")
         return cls(**{n: data[n] for n in names})
+
+
+def infer_model(shapes: dict[str, tuple[int, ...]], layer: str = r"layers\.(\d+)\.") -> ModelSpec:
+    """A ModelSpec guessed from a checkpoint's logical tensors (name -> global shape), for
+    checkpoints that carry no elastic metadata: parameters = elements of ``model/*`` (of every
+    tensor if there is no ``model/``), hidden size = the commonest length of 1-d tensors (else the
+    commonest last dimension of 2-d ones), layers = the distinct ``layers.N.`` indices."""
+    names = [n for n in shapes if not n.startswith("__local__/")]
+    params = [n for n in names if n.startswith("model/")] or names
+    numel = sum(math.prod(shapes[n]) for n in params)
+    ones = Counter(shapes[n][0] for n in params if len(shapes[n]) == 1)
+    twos = Counter(shapes[n][-1] for n in params if len(shapes[n]) == 2)
+    hidden = (ones or twos or Counter({1: 1})).most_common(1)[0][0]
+    layers = {int(m.group(1)) for n in params if (m := re.search(layer, n))}
+    return ModelSpec(max(1, hidden), max(1, len(layers)), max(1, numel))

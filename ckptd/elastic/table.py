@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ckptd.elastic.replan import InvalidSpec, ModelSpec, NoFeasiblePlan, TrainingSpec, planner
+from ckptd.elastic.search import InvalidSpec, ModelSpec, NoFeasiblePlan, TrainingSpec, planner
 
 # Row keys in order, with the Markdown column header of each.
 COLUMNS: tuple[tuple[str, str], ...] = (

@@ -1,28 +1,65 @@
-"""The manifest: schema, on-storage layout, merging rank partials and the coverage check."""
+"""The on-disk format: the manifest's schema (``schema``), its envelope (digest, size limit,
+strict JSON: ``envelope``), frame codecs and checksums (``codecs``), merging rank partials and
+the coverage check (``merge``), where things live under a root (``layout``) and the step catalog
+(``catalog``).
 
-from ckptd.manifest.merge import find_hole, merge
-from ckptd.manifest.schema import (
-    CHECKSUM,
-    VERSION,
-    Chunk,
-    Frame,
-    Manifest,
-    TensorEntry,
-    decode,
-    dtype_from_name,
-    dtype_name,
-)
+Names are imported on first use: the catalog and the envelope need no torch, so ``ckptd ls``
+starts without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CHECKSUM": "ckptd.manifest.schema",
+    "VERSION": "ckptd.manifest.envelope",
+    "Chunk": "ckptd.manifest.schema",
+    "Frame": "ckptd.manifest.schema",
+    "Manifest": "ckptd.manifest.schema",
+    "TensorEntry": "ckptd.manifest.schema",
+    "decode": "ckptd.manifest.schema",
+    "dtype_from_name": "ckptd.manifest.schema",
+    "dtype_name": "ckptd.manifest.schema",
+    "find_hole": "ckptd.manifest.merge",
+    "merge": "ckptd.manifest.merge",
+}
 
 __all__ = [
     "CHECKSUM",
-    "VERSION",
     "Chunk",
     "Frame",
     "Manifest",
     "TensorEntry",
+    "VERSION",
     "decode",
     "dtype_from_name",
     "dtype_name",
     "find_hole",
     "merge",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptd.manifest' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from ckptd.manifest.envelope import VERSION
+    from ckptd.manifest.merge import find_hole, merge
+    from ckptd.manifest.schema import (
+        CHECKSUM,
+        Chunk,
+        Frame,
+        Manifest,
+        TensorEntry,
+        decode,
+        dtype_from_name,
+        dtype_name,
+    )

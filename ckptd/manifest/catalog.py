@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout as L
-from ckptd.manifest.schema import Manifest, decode
+from ckptd.manifest.envelope import open_doc
 from ckptd.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from ckptd.manifest.schema import Manifest
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,24 @@ def all_steps(storage: Storage) -> list[int]:
     return sorted(s for s in map(L.parse_step_dir, storage.list_dir("")) if s is not None)
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
+def read_raw(storage: Storage, step: int) -> bytes:
     path = L.manifest_path(step)
     try:
-        raw = storage.read_bytes(path)
+        return storage.read_bytes(path)
     except FileNotFoundError:
         raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
-    return decode(raw, f"{storage.url}/{path}")
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    from ckptd.manifest.schema import decode  # torch: only what loads tensors needs it
+
+    raw = read_raw(storage, step)
+    return decode(raw, f"{storage.url}/{L.manifest_path(step)}")
+
+
+def read_doc(storage: Storage, step: int) -> dict[str, Any]:
+    """The manifest as checked JSON (size, digest, format; no tensors decoded, no torch)."""
+    return open_doc(read_raw(storage, step), f"{storage.url}/{L.manifest_path(step)}")
 
 
 def committed(storage: Storage) -> list[Committed]:
@@ -86,10 +100,15 @@ def committed(storage: Storage) -> list[Committed]:
     out = []
     for step in all_steps(storage):
         try:
-            m = read_manifest(storage, step)
+            doc = read_doc(storage, step)
         except CheckpointNotFound:
             continue
-        out.append(Committed(step, m.generation))
+        generation = doc.get("generation", 0)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise CorruptCheckpoint(
+                f"{storage.url}/{L.manifest_path(step)}: generation {generation!r} is not valid"
+            )
+        out.append(Committed(step, generation))
     return sorted(out, key=lambda c: c.order)
 
 

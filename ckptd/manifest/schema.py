@@ -18,16 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
-from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
+from ckptd.manifest.envelope import FORMAT, MAX_INT, VERSION, open_doc, seal
 from ckptd.regions import Box
 
-FORMAT = "ckptd"
-# 1: JSON; 2: the same, sealed with a digest of its own bytes (1 still loads)
-VERSION = 2
 CHECKSUM = "xxh3_64"
 
 _DTYPES = {
@@ -165,80 +161,10 @@ class Manifest:
         return seal(json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode())
 
 
-# A manifest's digest covers its own bytes: ``{"digest":"xxh3_64:<16 hex>",...}`` hashed with the
-# 16 hex digits set to "0". It sits at a fixed place so a reader checks it before it parses
-# (or trusts) anything; the file stays plain JSON for people and tools.
-_DIGEST_HEAD = b'{"digest":"xxh3_64:'
-_DIGEST_END = len(_DIGEST_HEAD) + 16
-_ZEROS = b"0" * 16
-MAX_INT = 1 << 62  # sizes, offsets and counts: above this no file or tensor is real
-
-
-def seal(body: bytes) -> bytes:
-    assert body.startswith(b"{") and len(body) > 2
-    unsealed = _DIGEST_HEAD + _ZEROS + b'",' + body[1:]
-    digest = xxhash.xxh3_64_hexdigest(unsealed).encode()
-    return _DIGEST_HEAD + digest + unsealed[_DIGEST_END:]
-
-
-def _unseal(raw: bytes, where: str) -> bool:
-    """Check the digest; False when the manifest has none (format version 1)."""
-    if not raw.startswith(_DIGEST_HEAD):
-        return False
-    claimed = raw[len(_DIGEST_HEAD) : _DIGEST_END]
-    actual = xxhash.xxh3_64_hexdigest(raw[: len(_DIGEST_HEAD)] + _ZEROS + raw[_DIGEST_END:])
-    if claimed.decode(errors="replace") != actual:
-        raise CorruptCheckpoint(
-            f"{where}: the manifest's digest does not match its bytes (damaged or edited)"
-        )
-    return True
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def parse_json(raw: bytes, where: str) -> Any:
-    """JSON from storage: duplicate keys, nesting too deep, integers too long for Python and
-    invalid UTF-8 are each a :class:`CorruptCheckpoint` naming ``where``."""
-    try:
-        return json.loads(raw, object_pairs_hook=_unique_keys)
-    except RecursionError:
-        raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid JSON ({e})") from e
-
-
 def decode(raw: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor."""
-    limit = config.get().max_manifest_bytes
-    if len(raw) > limit:
-        raise CorruptCheckpoint(
-            f"{where}: {len(raw)} bytes, over the manifest limit of {limit} "
-            "(ckptd.config max_manifest_bytes, CKPTD_MAX_MANIFEST_BYTES)"
-        )
-    sealed = _unseal(raw, where)
-    doc = parse_json(raw, where)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"{where}: not a ckptd manifest (no 'format': 'ckptd')")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptCheckpoint(f"{where}: missing format version")
-    if version > VERSION:
-        raise CorruptCheckpoint(
-            f"{where}: format version {version} is newer than this ckptd understands "
-            f"({VERSION}); upgrade ckptd to read it"
-        )
-    if version >= 2 and not sealed:
-        raise CorruptCheckpoint(f"{where}: format version {version} without its digest")
-    if doc.get("checksum") != CHECKSUM:
-        raise CorruptCheckpoint(f"{where}: unsupported checksum algorithm {doc.get('checksum')!r}")
+    doc = open_doc(raw, where)
     try:
         if not isinstance(doc["tensors"], dict):
             raise TypeError("'tensors' is not an object")

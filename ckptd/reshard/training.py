@@ -14,14 +14,11 @@ one: the new setting then needs no more memory per GPU than the old one did.
 
 from __future__ import annotations
 
-import re
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ckptd.manifest import Manifest
-from ckptd.sharding import LOCAL_PREFIX
 
 REASON = "offline reshard"
 
@@ -33,28 +30,6 @@ class Replanned:
     inferred_model: bool
 
 
-def infer_model(manifest: Manifest, layer: str = r"layers\.(\d+)\.") -> dict[str, int]:
-    """ModelSpec fields guessed from names and shapes (see the module docstring)."""
-    names = [n for n in manifest.tensors if not n.startswith(LOCAL_PREFIX + "/")]
-    params = [n for n in names if n.startswith("model/")] or names
-    numel = sum(_numel(manifest.tensors[n].shape) for n in params)
-    ones = Counter(manifest.tensors[n].shape[0] for n in params
-                   if len(manifest.tensors[n].shape) == 1)
-    twos = Counter(manifest.tensors[n].shape[-1] for n in params
-                   if len(manifest.tensors[n].shape) == 2)
-    hidden = (ones or twos or Counter({1: 1})).most_common(1)[0][0]
-    layers = {int(m.group(1)) for n in params if (m := re.search(layer, n))}
-    return {"hidden_size": max(1, hidden), "num_hidden_layers": max(1, len(layers)),
-            "num_parameters": max(1, numel)}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
 def replan_training(training: dict[str, Any], manifest: Manifest, world: int, *,
                     zero: int | None = None, mem_limit_gib: float | None = None,
                     max_micro_batch_size: int | None = None, tolerance: float | None = None,
@@ -63,10 +38,13 @@ def replan_training(training: dict[str, Any], manifest: Manifest, world: int, *,
     if "spec" not in training:
         return None
     from ckptd import elastic
+    from ckptd.elastic.specs import infer_model
+    from ckptd.elastic.table import plan_table, render_markdown
 
     previous = elastic.TrainingSpec.from_json(training["spec"])
     inferred = "model" not in training
-    model = elastic.ModelSpec(**(infer_model(manifest) if inferred else training["model"]))
+    model = (infer_model({n: t.shape for n, t in manifest.tensors.items()}) if inferred
+             else elastic.ModelSpec(**training["model"]))
     saved = dict(training.get("replan", {}))
     kwargs: dict[str, Any] = {
         "tolerance": tolerance if tolerance is not None else saved.get("tolerance", 0.10),
@@ -78,7 +56,7 @@ def replan_training(training: dict[str, Any], manifest: Manifest, world: int, *,
             saved.get("zero_stages", sorted({previous.zero_stage, 1, 2, 3}))),
     }
     plan = elastic.replan(model, previous, world, **kwargs)
-    table = elastic.render_markdown(elastic.plan_table(model, previous, [world], **kwargs))
+    table = render_markdown(plan_table(model, previous, [world], **kwargs))
     history = list(training.get("history", []))
     history.append({
         "reason": REASON, "time": time.time(), "step": manifest.step,

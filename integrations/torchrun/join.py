@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
-from ckptd.cli import open_ckpt
-from ckptd.elastic import TrainingMeta, scale_up_wait_s
+from ckptd.cli.elastic import read_meta
+from ckptd.elastic import scale_up_wait_s
 from ckptd.errors import CheckpointNotFound
 
 
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv[:split])
     command = argv[split + 1:]
     try:
-        _, step, manifest = open_ckpt(args.ckpt)
-        meta = TrainingMeta.from_json(manifest.training, f"{args.ckpt} step {step}")
+        _, meta = read_meta(args.ckpt)
         wait = scale_up_wait_s(meta, time.time(), args.cooldown_s)
     except CheckpointNotFound:
         wait = 0.0

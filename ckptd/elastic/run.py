@@ -40,7 +40,7 @@ from ckptd.elastic.history import (
     add_loss,
     torchrun_world,
 )
-from ckptd.elastic.replan import InvalidSpec, ModelSpec, TrainingSpec, replan
+from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec, replan
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult

@@ -1,31 +1,25 @@
-"""``ckptd reshard`` and ``ckptd layout``: thin shells over :mod:`ckptd.reshard.offline`,
-:mod:`ckptd.reshard.targets` and :mod:`ckptd.reshard.infer`."""
+"""``ckptd reshard`` and ``ckptd layout``: a checkpoint rewritten for a planned new world."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptd import config
-from ckptd.cli import _human, _progress, _table, open_ckpt
-from ckptd.manifest import Manifest
-from ckptd.reshard.infer import infer_layout
-from ckptd.reshard.layout_file import LayoutSpec, dumps, read_layout
-from ckptd.reshard.offline import RankReport, Resharder
-from ckptd.reshard.targets import Resolver
-from ckptd.reshard.training import replan_training
-from ckptd.storage import open_storage
+from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
 
-Add = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+if TYPE_CHECKING:
+    from ckptd.manifest.schema import Manifest
+    from ckptd.reshard.layout_file import LayoutSpec
+    from ckptd.reshard.offline import RankReport
 
 
-def register(sub: Any, add: Add) -> None:
+def register(add: Add) -> None:
     r = add("reshard", cmd_reshard, "rewrite a checkpoint packed per rank of a target world")
-    r.add_argument("ckpt", help="ROOT (latest step) or ROOT/step-NNNNNNNNN")
-    r.add_argument("--to-world", type=int, required=True, metavar="N")
+    r.add_argument("ckpt", help=CKPT_HELP)
+    r.add_argument("--to-world", type=int, required=True, metavar="N",
+                   help="the world size to pack the checkpoint for")
     r.add_argument("--tp", type=int, help="tensor-parallel size (overrides the layout file)")
     r.add_argument("--pp", type=int, help="pipeline-parallel size (overrides the layout file)")
     r.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
@@ -45,10 +39,11 @@ def register(sub: Any, add: Add) -> None:
     r.add_argument("--max-micro-batch-size", type=int, help="re-plan: largest micro-batch")
     r.add_argument("--tolerance", type=float, help="re-plan: global batch band (default 0.10)")
     lay = add("layout", cmd_layout, "write a starting layout file for `reshard --layout`")
-    lay.add_argument("ckpt")
-    lay.add_argument("--tp", type=int, default=1)
-    lay.add_argument("--pp", type=int, default=1)
-    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    lay.add_argument("ckpt", help=CKPT_HELP)
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="ZeRO stage (default 0)")
     lay.add_argument("--world", type=int, help="check the layout against this world size")
     lay.add_argument("--out", metavar="FILE", help="default: standard output")
     lay.add_argument("--format", choices=("toml", "json"),
@@ -56,6 +51,10 @@ def register(sub: Any, add: Add) -> None:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
+    from ckptd.reshard.infer import infer_layout
+    from ckptd.reshard.layout_file import dumps
+    from ckptd.reshard.targets import Resolver
+
     storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
     spec = infer_layout(manifest, args.tp, args.pp, args.zero)
     fmt = args.format or ("json" if (args.out or "").endswith(".json") else "toml")
@@ -74,6 +73,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> LayoutSpec:
+    from ckptd.reshard.infer import infer_layout
+    from ckptd.reshard.layout_file import read_layout
+
     if args.layout:
         spec = read_layout(args.layout)
     else:
@@ -83,6 +85,12 @@ def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> L
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    from ckptd import config
+    from ckptd.reshard.offline import Resharder
+    from ckptd.reshard.targets import Resolver
+    from ckptd.reshard.training import replan_training
+    from ckptd.storage import open_storage
+
     if not args.dry_run and not args.out:
         raise ValueError("--out DEST is required (or --dry-run)")
     storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
@@ -105,8 +113,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         replicate_small=config.get().replicate_small_bytes,
         compression=args.compression)
     total = sum(p.write_bytes for p in resharder.plans)
-    bar = _progress(total, "plan" if args.dry_run else "reshard")
-    resharder.on_bytes = bar.update if bar is not None else None
+    bar = progress(total, "plan" if args.dry_run else "reshard")
+    resharder.on_bytes = bar.update
     try:
         if args.dry_run:
             reports = resharder.dry_run()
@@ -119,8 +127,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             out = {"dry_run": False, "url": f"{resharder.dest.url}/step-{new.step:09d}",
                    "attempt": new.attempt, "nbytes": new.nbytes}
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     out.update(step=step, world_size=world, tp=spec.tp, pp=spec.pp, zero=spec.zero.stage,
                ranks=[r.to_json() for r in reports])
     if replanned is not None:
@@ -131,17 +138,19 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         _print_reports(reports, args.dry_run)
         if not args.dry_run:
             print(f"committed {out['url']}: world {world} (tp {spec.tp}, pp {spec.pp}, "
-                  f"dp {assignment.dp}, ZeRO {spec.zero.stage}), {_human(out['nbytes'])}")
+                  f"dp {assignment.dp}, ZeRO {spec.zero.stage}), {human(out['nbytes'])}")
     return 0
 
 
 def _print_reports(reports: list[RankReport], dry_run: bool) -> None:
-    rows = [[r.rank, r.pieces, _human(r.hold_bytes), _human(r.write_bytes), _human(r.read_bytes),
-             r.ranges, _human(r.peak_bytes), r.restart_ranges] for r in reports]
-    print(_table(rows, ["rank", "pieces", "holds", "writes", "reads", "ranges", "peak memory",
-                        "ranges from the original"]))
+    rows = [[r.rank, r.pieces, human(r.hold_bytes), human(r.write_bytes), human(r.read_bytes),
+             r.ranges, human(r.peak_bytes)] + ([r.restart_ranges] if dry_run else [])
+            for r in reports]
+    print(table(rows, ["rank", "pieces", "holds", "writes", "reads", "ranges", "peak memory"]
+                + (["ranges from the original"] if dry_run else [])))
     print(f"total: {'would read' if dry_run else 'read'} "
-          f"{_human(sum(r.read_bytes for r in reports))} in "
+          f"{human(sum(r.read_bytes for r in reports))} in "
           f"{sum(r.ranges for r in reports)} ranges, "
-          f"{'would write' if dry_run else 'wrote'} {_human(sum(r.write_bytes for r in reports))}"
-          f"; a restart on the original reads {sum(r.restart_ranges for r in reports)} ranges")
+          f"{'would write' if dry_run else 'wrote'} {human(sum(r.write_bytes for r in reports))}"
+          + (f"; a restart on the original would read "
+             f"{sum(r.restart_ranges for r in reports)} ranges" if dry_run else ""))

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import sys
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from ckptd.cli import _human
+from ckptd.cli.common import CKPT_HELP, Add, human, progress
 
-Add = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+@contextlib.contextmanager
+def _bar(desc: str) -> Iterator[Any]:
+    bar = progress(0, desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -25,12 +32,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         ]
         if unusable or args.max_shard_size != "5GB":
             raise ValueError(f"{', '.join(unusable) or '--max-shard-size'}: safetensors only")
-        with _Bar("export") as bar:
+        with _bar("export") as bar:
             report: Any = export_dcp(
                 args.ckpt, args.out, storage_options=args.storage_options, progress=bar.update
             )
         summary = (
-            f"wrote {report.items} items of {report.tensors} tensors ({_human(report.nbytes)}) "
+            f"wrote {report.items} items of {report.tensors} tensors ({human(report.nbytes)}) "
             f"of step {report.step} to {report.url}"
             + (
                 f"; left out {report.skipped_locals} per-rank values"
@@ -41,7 +48,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         from ckptd.interop.safetensors_export import export_safetensors
 
-        with _Bar("export") as bar:
+        with _bar("export") as bar:
             report = export_safetensors(
                 args.ckpt,
                 args.out,
@@ -54,7 +61,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 progress=bar.update,
             )
         summary = (
-            f"wrote {report.tensors} tensors ({_human(report.total_size)}) of step {report.step} "
+            f"wrote {report.tensors} tensors ({human(report.total_size)}) of step {report.step} "
             f"in {len(report.files)} files + model.safetensors.index.json to {report.url}"
         )
     print(json.dumps(asdict(report)) if args.json else summary)
@@ -64,7 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import_dcp(args: argparse.Namespace) -> int:
     from ckptd.interop.dcp_import import import_dcp
 
-    with _Bar("import") as bar:
+    with _bar("import") as bar:
         report = import_dcp(
             args.src,
             args.out,
@@ -79,39 +86,17 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     else:
         print(
             f"imported {report.tensors} tensors and {report.values} values as step "
-            f"{report.step}: {report.url} ({_human(report.nbytes)})"
+            f"{report.step}: {report.url} ({human(report.nbytes)})"
             + (f"; skipped non-JSON objects {report.skipped}" if report.skipped else "")
         )
     return 0
 
 
-class _Bar:
-    """A byte-counting progress bar on stderr (off when stderr is not a terminal)."""
-
-    def __init__(self, desc: str) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a dependency; degrade quietly
-            self.bar = None
-        else:
-            self.bar = tqdm(desc=desc, unit="B", unit_scale=True, disable=None, file=sys.stderr)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def __enter__(self) -> _Bar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def register(sub: Any, add: Add) -> None:
+def register(add: Add) -> None:
     ex = add("export", cmd_export, "write a checkpoint as safetensors (Hugging Face) or DCP")
-    ex.add_argument("ckpt", help="ROOT (newest step) or ROOT/step-NNNNNNNNN")
-    ex.add_argument("--format", choices=["safetensors", "dcp"], required=True)
+    ex.add_argument("ckpt", help=CKPT_HELP)
+    ex.add_argument("--format", choices=["safetensors", "dcp"], required=True,
+                    help="safetensors (Hugging Face, one rank's worth per file) or dcp")
     ex.add_argument("--out", required=True, help="output directory (path or URL)")
     ex.add_argument(
         "--select",
