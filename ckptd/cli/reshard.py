@@ -125,7 +125,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             training = replanned.training if replanned is not None else dict(manifest.training)
             new, reports = resharder.run(training)
             out = {"dry_run": False, "url": f"{resharder.dest.url}/step-{new.step:09d}",
-                   "attempt": new.attempt, "nbytes": new.nbytes}
+                   "attempt": new.attempt, "nbytes": new.nbytes,
+                   "source_bytes_read": resharder.source_bytes_read}
     finally:
         bar.close()
     out.update(step=step, world_size=world, tp=spec.tp, pp=spec.pp, zero=spec.zero.stage,
@@ -137,6 +138,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     else:
         _print_reports(reports, args.dry_run)
         if not args.dry_run:
+            print(f"read {human(resharder.source_bytes_read)} from the source (a block cache "
+                  "serves the frames several target ranks share)")
             print(f"committed {out['url']}: world {world} (tp {spec.tp}, pp {spec.pp}, "
                   f"dp {assignment.dp}, ZeRO {spec.zero.stage}), {human(out['nbytes'])}")
     return 0

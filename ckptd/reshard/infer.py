@@ -33,13 +33,52 @@ _ROW = re.compile(r"\.(o_proj|out_proj|o|wo|dense|dense_4h_to_h|down_proj|down|f
                   r"fc_out)\.")
 
 
-def _norm_fqn(name: str, layer: str | None) -> str:
-    fqn = name.rpartition("/")[2]
+def _fqn(name: str, ndim: int) -> tuple[str, bool]:
+    """The module path a logical name belongs to, and whether it is per-parameter state below
+    it (``optim/state/<fqn>/exp_avg``, as ``get_state_dict`` names optimizer state). A 0-d entry
+    of that state (Adam's ``step``) keeps its own name: it is never split."""
+    parts = name.split("/")
+    dotted = [i for i, p in enumerate(parts) if "." in p]
+    if ndim > 0 and dotted and dotted[-1] < len(parts) - 1:
+        return parts[dotted[-1]], True
+    return parts[-1], False
+
+
+def _norm_fqn(fqn: str, layer: str | None) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn) if layer else fqn
 
 
-def _glob(name: str, fqn: str) -> str:
+def _glob(name: str, fqn: str, below: bool) -> str:
+    if below:
+        return f"*/{fqn}/*"
     return f"*/{fqn}" if "/" in name else fqn
+
+
+def _group_key(name: str) -> str:
+    """ZeRO group of a name: its path with the module path (a component with dots) as ``*``,
+    so every parameter's ``optim/state/<fqn>/exp_avg`` falls in one ``optim/state/*/exp_avg``
+    group instead of a group per parameter."""
+    parts = name.split("/")[:-1] or [""]
+    if "." in parts[-1] or len(name.split("/")) > 2 and any("." in p for p in parts):
+        parts = ["*" if "." in p else p for p in parts]
+        return "/".join(parts) + "/*"
+    return (name.rpartition("/")[0] + "/*") if "/" in name else "*"
+
+
+def _dim0_sharded(manifest: Manifest, names: list[str]) -> bool:
+    """Whether every tensor of ``names`` was saved sharded along dim 0 only, by several ranks:
+    the shape of FSDP2 / DTensor ``Shard(0)`` on the data-parallel mesh."""
+    for n in names:
+        entry = manifest.tensors[n]
+        if len(entry.shape) == 0:
+            return False
+        boxes = {c.box for c in entry.chunks}
+        if len(boxes) < 2 or len({c.rank for c in entry.chunks}) < 2:
+            return False
+        if any(b.offsets[1:] != (0,) * (len(b.offsets) - 1) or b.sizes[1:] != entry.shape[1:]
+               for b in boxes):
+            return False
+    return bool(names)
 
 
 def detect_layer_pattern(names: list[str]) -> str | None:
@@ -104,22 +143,40 @@ def infer_layout(manifest: Manifest, tp: int = 1, pp: int = 1, zero: int = 0,
     names = sorted(n for n in manifest.tensors if not n.startswith(LOCAL_PREFIX + "/"))
     layer = detect_layer_pattern(names)
     by_fqn: dict[str, list[str]] = {}
+    globs: dict[str, set[str]] = {}
     for n in names:
-        by_fqn.setdefault(_glob(n, _norm_fqn(n, layer)), []).append(n)
+        fqn, below = _fqn(n, len(manifest.tensors[n].shape))
+        key = _norm_fqn(fqn, layer)
+        by_fqn.setdefault(key, []).append(n)
+        globs.setdefault(key, set()).add(_glob(n, key, below))
+    # FSDP2 (DTensor Shard(0) over data parallelism): keep sharding along dim 0 over DP,
+    # unless the optimizer state is to go into ZeRO flat buffers (which exclude it)
+    fsdp = zero == 0 and tp == 1
     rules = []
     first: list[str] = []
     last: list[str] = []
-    for i, (glob, members) in enumerate(sorted(by_fqn.items()), 1):
+    # 0-d entries (Adam's step) first: the first matching rule decides, and `*/<fqn>/*` of the
+    # parameter's rule would match them too
+    def scalars_first(item: tuple[str, list[str]]) -> tuple[bool, str]:
+        return (any(manifest.tensors[n].shape for n in item[1]), item[0])
+
+    for i, (key, members) in enumerate(sorted(by_fqn.items(), key=scalars_first), 1):
         shapes = [manifest.tensors[n].shape for n in members]
-        c = _classify(glob.rpartition("/")[2], shapes, tp)
-        rules.append(Rule(i, (glob,), tp_dim=c.tp_dim, split=c.split, fused=c.fused,
-                          replicated=c.replicated, note=c.note))
+        c = _classify(key, shapes, tp)
+        dp_dim = 0 if fsdp and not c.fused and _dim0_sharded(manifest, members) else None
+        note = c.note
+        if dp_dim is not None:
+            note = (note.replace(": replicated", ": not split over TP") + "; sharded along dim 0 "
+                    "over data parallelism (FSDP2 / DTensor Shard(0))")
+        match = tuple(sorted(globs[key]))
+        rules.append(Rule(i, match, tp_dim=c.tp_dim, split=c.split, fused=c.fused,
+                          dp_dim=dp_dim, replicated=c.replicated and dp_dim is None,
+                          note=note))
         if layer is None or not re.search(layer, members[0]):
-            (first if _FIRST.search(glob.lower()) else last).append(glob)
-    prefixes = Counter(n.rpartition("/")[0] for n in names)
+            (first if _FIRST.search(key.lower()) else last).extend(match)
+    prefixes = Counter(_group_key(n) for n in names)
     groups = tuple(
-        ZeroGroup((f"{p}/*" if p else "*",),
-                  "params" if p.split("/")[0] in ("model", "module", "params", "param", "")
+        ZeroGroup((p,), "params" if p.split("/")[0] in ("model", "module", "params", "param", "*")
                   else "optimizer")
         for p in sorted(prefixes))
     layer_glob = (LAYER_PATTERNS[layer],) if layer is not None else ()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, TensorEntry, codecs, merge
 from ckptd.manifest import layout as L
@@ -40,6 +41,7 @@ from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
+from ckptd.writer import commit
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds
 from ckptd.writer.staging import StagingPool
 
@@ -132,6 +134,7 @@ class Resharder:
     compression: str | None = None
     on_bytes: Callable[[int], None] | None = None
     plans: list[RankPlan] = field(init=False)
+    source_bytes_read: int = 0  # by run(): bytes fetched from the source's storage
 
     def __post_init__(self) -> None:
         self.plans = split_writers(self.assignment, self.replicate_small)
@@ -170,12 +173,21 @@ class Resharder:
         if dest.exists(L.manifest_path(self.step)):
             raise CkptdError(f"{dest.url}/{L.step_dir(self.step)}: already committed; choose "
                              "another --out")
-        attempt = f"reshard{uuid.uuid4().hex[:8]}-000001"
+        run_id = f"reshard{uuid.uuid4().hex[:8]}"
+        attempt = f"{run_id}-000001"
         codec, level = output_codec(self.manifest, self.compression)
         read_budget = Buffers(self.budget // 2)
         partials: list[Manifest | None] = [None] * len(self.plans)
         reports: list[RankReport | None] = [None] * len(self.plans)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
+        commit.claim(dest, run_id)
+        # The source's files, opened once for every target rank, with a block cache: target
+        # ranks that each hold a thin slice of every tensor read the same frames, and would
+        # otherwise fetch them once each (an FSDP2 checkpoint at --to-world 256: 67x the bytes).
+        files = StepFiles(self.source, self.src_dir,
+                          {c.file for e in self.manifest.tensors.values() for c in e.chunks},
+                          cache_bytes=min(self.budget // 4, 256 << 20),
+                          block_bytes=config.get().min_frame_bytes)
+        with files, ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
                 ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
             local = threading.local()
 
@@ -183,7 +195,7 @@ class Resharder:
                 if not hasattr(local, "writer"):
                     local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
                 partials[p.rank], reports[p.rank] = self._write_rank(
-                    p, local.writer, attempt, io, read_budget)
+                    p, local.writer, attempt, io, read_budget, files)
 
             try:
                 for f in [workers.submit(one, p) for p in self.plans]:
@@ -196,6 +208,8 @@ class Resharder:
                     except OSError:
                         pass
                 raise
+            assert files.cache is not None
+            self.source_bytes_read = files.cache.fetched
         merged = merge([p for p in partials if p is not None])
         tensors = {}
         for name, entry in merged.tensors.items():  # keep every rank's copy (merge keeps one)
@@ -205,12 +219,11 @@ class Resharder:
         m = self.manifest
         out = Manifest(m.step, attempt, len(self.plans), time.time(), tensors, dict(m.values),
                        {k: dict(v) for k, v in m.locals.items()}, training)
-        dest.put_atomic(L.manifest_path(m.step), out.encode())
-        dest.put_atomic(L.LATEST, L.step_dir(m.step).encode())
+        commit.commit(dest, out, run_id)
         return out, [r for r in reports if r is not None]
 
     def _write_rank(self, p: RankPlan, writer: RankWriter, attempt: str, io: ThreadPoolExecutor,
-                    read_budget: Buffers) -> tuple[Manifest, RankReport]:
+                    read_budget: Buffers, files: StepFiles) -> tuple[Manifest, RankReport]:
         declared = {t.name: TensorEntry(t.dtype, t.shape) for t in p.holds}
         if p.rank == 0:  # every tensor declared somewhere, even one with no elements
             declared = {n: TensorEntry(e.dtype, e.shape) for n, e in self.manifest.tensors.items()}
@@ -227,10 +240,9 @@ class Resharder:
                 plan = make_plan(self.source, self.manifest, pieces, None, read_budget)
                 stats = ReadStats()
                 before = read_budget.peak
-                with StepFiles(self.source, self.src_dir, {r.file for r in plan.ranges}) as files:
-                    files.check_bounds(plan.ranges)
-                    direct.fill(files, self.manifest, plan.ranges, None, io,
-                                read_budget, gap_bytes(self.source), read_budget.unit, stats)
+                files.check_bounds(plan.ranges)
+                direct.fill(files, self.manifest, plan.ranges, None, io,
+                            read_budget, gap_bytes(self.source), read_budget.unit, stats)
                 rep.read_bytes += stats.stored_bytes
                 rep.ranges += stats.ranges
                 rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + max(before, read_budget.peak))

@@ -30,7 +30,7 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read
 from ckptd.storage import Storage
-from ckptd.storage.base import ReadSession, open_read
+from ckptd.storage.base import BlockCache, ReadSession, open_read
 
 Buf = bytearray | bytes | memoryview
 
@@ -181,13 +181,19 @@ def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | Non
 class StepFiles:
     """The data files of one committed step, opened for one load (or verify, or reshard)."""
 
-    def __init__(self, storage: Storage, step_dir: str, files: Collection[str]) -> None:
+    def __init__(self, storage: Storage, step_dir: str, files: Collection[str], *,
+                 cache_bytes: int = 0, block_bytes: int = 256 << 10) -> None:
+        """``cache_bytes`` > 0: keep recently read blocks (see ``storage.base.BlockCache``)."""
         self.url = storage.url
         self.step_dir = step_dir
         try:
             self.session: ReadSession = open_read(storage, [self.path(f) for f in sorted(files)])
         except FileNotFoundError as e:
             raise CorruptCheckpoint(f"{e.filename or self.where('')}: data file missing") from e
+        self.cache: BlockCache | None = None
+        if cache_bytes > 0:
+            self.cache = BlockCache(self.session, block_bytes, cache_bytes)
+            self.session = self.cache
 
     def path(self, file: str) -> str:
         return f"{self.step_dir}/{file}"

@@ -22,6 +22,8 @@ leftovers (S3 multipart uploads), for ``ckptd gc``; ``append_text`` (see :func:`
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
@@ -110,6 +112,65 @@ class _RangeSession:
 
     def close(self) -> None:
         pass
+
+
+class BlockCache:
+    """A :class:`ReadSession` that keeps the last ``capacity`` bytes it fetched, in aligned
+    blocks, so that readers asking for neighbouring slices of the same frames (the target ranks
+    of an offline reshard, each a thin slice of every tensor) fetch each block from storage
+    about once. ``fetched`` counts the bytes that came from storage. Thread-safe; two threads
+    missing the same block at once may both fetch it."""
+
+    fills_buffers = True
+
+    def __init__(self, inner: ReadSession, block_bytes: int, capacity_bytes: int) -> None:
+        self.inner, self.sizes = inner, inner.sizes
+        self.block, self.capacity = max(1, block_bytes), max(block_bytes, capacity_bytes)
+        self.fetched = 0
+        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def _get(self, path: str, index: int) -> bytes:
+        key = (path, index)
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+                return data
+        start = index * self.block
+        size = self.sizes.get(path)
+        length = self.block if size is None else max(0, min(self.block, size - start))
+        data = bytes(self.inner.read(path, start, length)) if length else b""
+        with self._lock:
+            self.fetched += len(data)
+            if key not in self._blocks:
+                self._blocks[key] = data
+                self._held += len(data)
+            while self._held > self.capacity and self._blocks:
+                self._held -= len(self._blocks.popitem(last=False)[1])
+        return data
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        pos = 0
+        while pos < len(buf):
+            index, skip = divmod(offset + pos, self.block)
+            data = self._get(path, index)
+            n = min(len(data) - skip, len(buf) - pos)
+            if n <= 0:
+                raise EOFError(f"{path}: wanted {len(buf)} bytes at offset {offset}, file ends "
+                               f"after {pos}")
+            buf[pos : pos + n] = data[skip : skip + n]
+            pos += n
+
+    def read(self, path: str, offset: int, length: int) -> Buffer:
+        out = bytearray(length)
+        self.read_into(path, offset, memoryview(out))
+        return out
+
+    def close(self) -> None:
+        self._blocks.clear()
+        self.inner.close()
 
 
 def open_read(storage: Storage, paths: Sequence[str]) -> ReadSession:

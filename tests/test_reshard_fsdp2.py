@@ -1,0 +1,92 @@
+"""An FSDP2-shaped checkpoint (every parameter and its Adam state sharded along dim 0 over the
+data-parallel ranks, optimizer state named `optim/state/<fqn>/...` as `get_state_dict` names
+it): its inferred layout keeps that sharding, so `ckptd reshard --to-world N` writes the source's
+bytes once and reads them from storage once, however large N is."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import ckptd
+from ckptd.cli import main
+from ckptd.manifest import catalog
+from ckptd.reshard.infer import infer_layout
+from ckptd.storage import LocalStorage
+
+W, H, LAYERS, VOCAB = 4, 64, 2, 200
+
+
+def _params() -> dict[str, tuple[int, ...]]:
+    out = {"tok_embeddings.weight": (VOCAB, H), "norm.weight": (H,), "output.weight": (VOCAB, H)}
+    for i in range(LAYERS):
+        out |= {f"layers.{i}.attention.wq.weight": (H, H),
+                f"layers.{i}.attention.wo.weight": (H, H),
+                f"layers.{i}.feed_forward.w1.weight": (4 * H, H),
+                f"layers.{i}.feed_forward.w2.weight": (H, 4 * H),
+                f"layers.{i}.attention_norm.weight": (H,)}
+    return out
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in _params().items()}
+
+
+def _state(full: dict[str, torch.Tensor], rank: int, world: int) -> dict:
+    def shard(t: torch.Tensor) -> ckptd.Shard:
+        per = -(-t.shape[0] // world)
+        a = min(t.shape[0], rank * per)
+        b = min(t.shape[0], a + per)
+        return ckptd.Shard(t[a:b].clone(), tuple(t.shape), (a,) + (0,) * (t.dim() - 1))
+
+    return {"model": {n: shard(t) for n, t in full.items()},
+            "optim": {"state": {n: {"exp_avg": shard(t * 0.5), "exp_avg_sq": shard(t * t),
+                                    "step": torch.tensor(7.0)} for n, t in full.items()}},
+            "step": 7}
+
+
+def _save(root: str) -> None:
+    full = _full()
+    ranks = [ckptd.Checkpointer(root, rank=r, world_size=W, run_id="fsdp") for r in range(W)]
+    handles = [c.save_async(_state(full, r, W)) for r, c in enumerate(ranks)]
+    for h in handles:
+        h.result()
+    for c in ranks:
+        c.close()
+
+
+def test_the_inferred_layout_of_an_fsdp2_checkpoint_keeps_dim_0_sharding_over_dp(tmp_path):
+    root = str(tmp_path / "src")
+    _save(root)
+    spec = infer_layout(catalog.read_manifest(LocalStorage(root), 7))
+    by_glob = {g: r for r in spec.rules for g in r.match}
+    q = by_glob["*/layers.*.attention.wq.weight"]
+    assert q.dp_dim == 0 and "*/layers.*.attention.wq.weight/*" in q.match  # its Adam state too
+    assert by_glob["*/norm.weight"].dp_dim == 0
+    assert by_glob["*/step"].replicated and by_glob["*/step"].dp_dim is None
+    assert [g.match for g in spec.zero.groups] == [("model/*",), ("optim/state/*/*",)]
+
+
+def test_reshard_of_an_fsdp2_checkpoint_to_many_ranks_costs_its_bytes(tmp_path, capsys):
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    _save(src)
+    source_bytes = catalog.read_manifest(LocalStorage(src), 7).nbytes
+    assert main(["reshard", src, "--to-world", "64", "--out", out, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    written = sum(r["write_bytes"] for r in report["ranks"])
+    assert written == report["nbytes"]
+    assert written <= 1.01 * source_bytes, (written, source_bytes, report["ranks"][:3])
+    assert report["source_bytes_read"] <= 1.01 * source_bytes
+    # and it loads, bit-exact, on another world (3 ranks, the same FSDP2 sharding)
+    full = _full()
+    for r in range(3):
+        dst = _state({n: torch.zeros_like(t) for n, t in full.items()}, r, 3)
+        with ckptd.Checkpointer(out, rank=r, world_size=3, run_id="reader", read_only=True) as c:
+            c.load(dst)
+        want = _state(full, r, 3)
+        for n in full:
+            assert torch.equal(dst["model"][n].local, want["model"][n].local), n
+            got_state, want_state = dst["optim"]["state"][n], want["optim"]["state"][n]
+            assert torch.equal(got_state["exp_avg_sq"].local, want_state["exp_avg_sq"].local), n
