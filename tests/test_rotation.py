@@ -15,7 +15,7 @@ from ckptd.writer import retention
 
 class RotateOnFirstRead(LocalStorage):
     """A reader's storage: just before the first data file of a load is opened, the training job
-    (another Checkpointer on the same root, keep_last=1) commits a newer step and its retention
+    (another Checkpointer on the same root, with keep_last=1) commits a newer step and its retention
     removes the step being read — the race an evaluation job polling `latest` runs into."""
 
     def __init__(self, root: str, writer: ckptd.Checkpointer, value: float) -> None:
@@ -27,7 +27,7 @@ class RotateOnFirstRead(LocalStorage):
             self.fired = True
             step = self.writer.latest_step() + 1
             self.writer.save({"w": torch.full((1 << 12,), self.value)}, step=step)
-            # the writer's retention runs after it reports the commit; run it to completion now
+            # the training job's retention (keep_last=1), run to completion now
             retention.apply_retention(LocalStorage(self.root), 1)
 
     def open_read(self, paths: Sequence[str]):  # type: ignore[no-untyped-def]
@@ -41,7 +41,8 @@ class RotateOnFirstRead(LocalStorage):
 
 def _setup(tmp_path):
     root = str(tmp_path)
-    writer = ckptd.Checkpointer(root, run_id="train", keep_last=1)
+    # keep_last=0: the rotation is the one RotateOnFirstRead runs, to completion, at a known point
+    writer = ckptd.Checkpointer(root, run_id="train", keep_last=0)
     writer.save({"w": torch.full((1 << 12,), 1.0)}, step=1)
     return root, writer
 
