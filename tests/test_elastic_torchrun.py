@@ -236,7 +236,9 @@ def test_sigterm_during_an_async_save_ends_with_a_commit_and_exit_0(
     # step 5's save is staged and then held at its first data write (the gate is closed); with
     # --overlap and 2 saves in flight, step 10's save waits in its staging phase behind it
     held = 10 if moment == "staging" else 5
-    w.wait_for(f"save of step {held}", lambda e: e["ev"] == "save" and e["step"] == held)
+    for r in (0, 1):  # each rank's own save: a rank that is still training has none in flight
+        w.wait_for(f"save of step {held} on rank {r}", lambda e, r=r: e["ev"] == "save"
+                   and e["step"] == held and e["rank"] == r)
     for p in w.procs:
         p.send_signal(signal.SIGTERM)
     sigterms = [w.wait_for(f"SIGTERM on rank {r}", lambda e, r=r: e["ev"] == "sigterm"
