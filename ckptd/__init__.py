@@ -21,7 +21,7 @@ _EXPORTS = {
     "save_async": "ckptd.api",
     "wait": "ckptd.api",
     "Checkpointer": "ckptd.checkpointer",
-    "LoadResult": "ckptd.checkpointer",
+    "LoadResult": "ckptd.reshard.committed",
     "on_preemption": "ckptd.elastic.preemption",
     "preempted": "ckptd.elastic.preemption",
     "CheckpointNotFound": "ckptd.errors",
@@ -83,7 +83,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from ckptd import elastic
     from ckptd.api import init, latest_step, load, save, save_async, wait
-    from ckptd.checkpointer import Checkpointer, LoadResult
+    from ckptd.checkpointer import Checkpointer
     from ckptd.elastic.preemption import on_preemption, preempted
     from ckptd.errors import (
         CheckpointNotFound,
@@ -93,5 +93,6 @@ if TYPE_CHECKING:
         StateMismatch,
         StorageError,
     )
+    from ckptd.reshard.committed import LoadResult
     from ckptd.sharding import FlatShard, Fused, Local, Shard
     from ckptd.writer.handle import SaveHandle, SaveResult

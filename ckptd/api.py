@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer, LoadResult
-from ckptd.errors import CkptdError
 from ckptd.writer.handle import SaveHandle, SaveResult
-
-_default: Checkpointer | None = None
 
 
 def init(
@@ -28,10 +26,10 @@ def init(
     >>> import ckptd                                         # doctest: +SKIP
     >>> ckptd.init("/shared/ckpts/run1", keep_last=3)        # doctest: +SKIP
     """
-    global _default
-    if _default is not None:
-        _default.close()
-    _default = Checkpointer(
+    previous = checkpointer.default_or_none()
+    if previous is not None:
+        previous.close()
+    ckpt = Checkpointer(
         root,
         rank=rank,
         world_size=world_size,
@@ -42,13 +40,12 @@ def init(
         threads=threads,
         **kwargs,
     )
-    return _default
+    checkpointer.set_default(ckpt)
+    return ckpt
 
 
 def _get() -> Checkpointer:
-    if _default is None:
-        raise CkptdError("call ckptd.init(root) first")
-    return _default
+    return checkpointer.default()
 
 
 def save_async(

@@ -107,9 +107,9 @@ class Tunables:
     # Between the verify pass and the copy pass a load keeps the data it read, up to the load
     # budget, when the storage is remote (no page cache: reading again costs the network). On
     # a local filesystem it keeps it only when all of it fits in this many bytes; otherwise the
-    # copy pass reads the ranges again, from the page cache (~20 GB/s here), which is cheaper
-    # than the page faults of holding fresh memory (~1 GB/s on this VM, as slow as the disk)
-    # and keeps the load's memory at a few read units.
+    # copy pass reads the ranges again, from the page cache, which is cheaper than the page
+    # faults of holding fresh memory (benchmarks/README.md) and keeps the load's memory at a
+    # few read units.
     local_hold_bytes: int = 64 << 20
     # Offline reshard: a replicated target piece of at most this many bytes is written into the
     # files of every target rank that holds it (each rank then reads one contiguous range);

@@ -7,7 +7,24 @@
     ├── CheckpointNotFound (FileNotFoundError) no committed checkpoint where one was asked for
     ├── StateMismatch (ValueError)            the destination state does not fit the checkpoint
     ├── StorageError (OSError)                the storage refused a write/read (full disk, network)
-    └── ForeignWriter                         another job or an older world writes to the same root
+    ├── ForeignWriter                         another job or an older world writes to the same root
+    │   (the five above: here, and importable from ``ckptd``)
+    ├── UntrustedPickle (PermissionError)     a DCP ``.metadata`` pickle, read only with trust=True
+    │                                         (``ckptd.interop.dcp_format``)
+    ├── LayoutError (ValueError)              a layout file for ``ckptd reshard`` is invalid
+    │                                         (``ckptd.reshard.layout_file``)
+    ├── InvalidSpec (ValueError)              a TrainingSpec/ModelSpec is inconsistent
+    │                                         (``ckptd.elastic.specs``)
+    ├── NoFeasiblePlan (ValueError)           no batch setting fits the tolerance and memory
+    │                                         (``ckptd.elastic.search``)
+    ├── NotElastic (ValueError)               a step's training metadata is not an elastic run's
+    │                                         (``ckptd.elastic.history``)
+    ├── PreemptionError (RuntimeError)        the preemption save could not be made durable
+    │                                         (``ckptd.elastic.preemption``)
+    └── DemoError (RuntimeError)              ``ckptd demo`` could not run (``ckptd.elastic.demo``)
+
+Each error outside this module lives with the part that raises it; catching ``CkptdError``
+catches all twelve.
 
 Messages are one line and carry the bad value and the file or logical tensor name; the original
 exception, if any, is kept as ``__cause__``.

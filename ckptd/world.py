@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.errors import CkptdError
@@ -24,6 +25,20 @@ def gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def fail_together(
+    error: BaseException | None, remote: Callable[[int, str, str], BaseException]
+) -> None:
+    """Every rank calls this at the same point of a collective operation: if any rank failed,
+    every rank raises — its own error, or ``remote(rank, error class name, message)`` for the
+    first rank that failed — so no rank goes on to a collective its peers never reach."""
+    reports = gather_object(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise remote(rank, *report)
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

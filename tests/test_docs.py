@@ -21,11 +21,12 @@ CASES = [
 @pytest.mark.parametrize("code", CASES)
 def test_documentation_example_runs(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    import ckptd.api
+    import ckptd.checkpointer
 
     try:
         exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
     finally:
-        if ckptd.api._default is not None:
-            ckptd.api._default.close()
-            ckptd.api._default = None
+        default = ckptd.checkpointer.default_or_none()
+        if default is not None:
+            default.close()
+            ckptd.checkpointer.set_default(None)

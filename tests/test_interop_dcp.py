@@ -7,7 +7,6 @@ gloo ranks, from the DTensor layout of ``transformer_state`` (a (dp=2, tp=2) mes
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 import shutil
@@ -24,11 +23,11 @@ import transformer_state as ts
 from transformer_state import LAYOUTS, Layout, build_state
 
 import ckptd
+import ckptd.checkpointer
 import ckptd.config
 from ckptd.cli import main
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint, StateMismatch
 from ckptd.interop import UntrustedPickle, load_dcp
-from ckptd.interop.dcp import load_from_dcp
 from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX, Local, describe
 
@@ -113,9 +112,7 @@ def _load_every_target(rank: int, world: int, path: str) -> list[str]:
                 ckptd.config.override(load_budget_bytes=1),  # decode pass, then copy pass
                 ckptd.Checkpointer(path, rank=rank, world_size=world, keep_last=0) as ck,
             ):
-                result = load_from_dcp(
-                    ck, dst.state, source=None, step=None, strict=True, trust=True
-                )
+                result = ck.load(dst.state, trust=True)  # a DCP root: the source plug-in
         else:
             result = load_dcp(dst.state, path, trust=True)
         assert result is not None and result.step == ts.STEP, result
@@ -277,10 +274,6 @@ def test_a_file_only_one_rank_needs_fails_the_load_on_every_rank_untouched(tmp_p
     assert [untouched for _, _, untouched in got] == [True, True]
 
 
-@pytest.mark.skipif(
-    "source" not in inspect.signature(ckptd.Checkpointer.load).parameters,
-    reason="Checkpointer.load has no source=/trust= yet (hook: interop.dcp.load_from_dcp)",
-)
 def test_ckptd_load_accepts_a_dcp_directory_as_source(tmp_path):
     sd = small_dcp(tmp_path / "d")
     ckptd.init(str(tmp_path / "new-root"))
@@ -291,6 +284,6 @@ def test_ckptd_load_accepts_a_dcp_directory_as_source(tmp_path):
         assert ckptd.load(state, source=str(tmp_path / "d"), trust=True).step == 3  # type: ignore[call-arg]
         assert torch.equal(state["model"]["w"], sd["model"]["w"])
     finally:
-        ckptd.api._default.close()  # type: ignore[union-attr]
-        ckptd.api._default = None
+        ckptd.checkpointer.default().close()
+        ckptd.checkpointer.set_default(None)
     shutil.rmtree(tmp_path / "new-root")

@@ -25,7 +25,13 @@ import pytest
 import torch
 import transformer_state as ts
 from test_layouts import layout_text
-from test_reshard_matrix import LAYOUT_NAMES, LOAD_SETTINGS, SAVE_SETTINGS, load_problems
+from test_reshard_matrix import (
+    LAYOUT_NAMES,
+    LOAD_SETTINGS,
+    SAVE_SETTINGS,
+    TARGETS,
+    load_problems,
+)
 from transformer_state import LAYOUTS, build_state
 
 import ckptd
@@ -113,7 +119,7 @@ def _load_worker(rank: int, world: int, target: str, roots: list[tuple[str, str]
     return out
 
 
-@pytest.mark.parametrize("target", LAYOUT_NAMES)
+@pytest.mark.parametrize("target", TARGETS)
 def test_every_layout_resharded_offline_loads_bit_exact_reading_one_run_per_file(
     target: str, sources: dict[str, str], tmp_path: Path
 ) -> None:
@@ -160,28 +166,44 @@ def test_dry_run_reports_per_rank_reads_and_writes_nothing(sources: dict[str, st
                for r in report["ranks"])
 
 
-def test_training_spec_is_replanned_for_the_new_world_with_a_history_entry(
+@pytest.mark.usefixtures("clean_sigterm")
+def test_a_reshard_of_an_elastic_run_is_resumed_as_a_restart_and_shown_in_history(
     tmp_path: Path, capsys: Any
 ) -> None:
+    """An elastic run (3 ranks, then 2) resharded offline for 4: the re-planned settings go
+    into the run's own metadata, so ``elastic.resume()`` on 4 ranks continues with them (a
+    restart, not a re-plan) and ``ckptd history`` lists the reshard."""
     from ckptd import elastic
 
-    spec = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=4,
-                                gradient_accumulation_steps=3, sequence_length=128)
-    root, dest = str(tmp_path / "src"), str(tmp_path / "dst")
-    with ckptd.Checkpointer(root) as ck:
-        ck.save({"model": {"w": torch.arange(24.0).reshape(6, 4)}}, step=5,
-                training={"spec": spec.to_json(), "history": [{"reason": "start"}]})
-    assert main(["reshard", root, "--to-world", "6", "--out", dest]) == 0
-    printed = capsys.readouterr().out
-    assert "| world | micro | accum |" in printed and "| 6 |" in printed
-    with ckptd.Checkpointer(dest, world_size=1, rank=0) as ck:
+    root, dest = str(tmp_path / "run"), str(tmp_path / "dst")
+    model = elastic.ModelSpec(hidden_size=32, num_hidden_layers=2, num_parameters=20_000)
+    reference = elastic.TrainingSpec(1, 3, 2, 2, 16)
+    policy = elastic.ElasticPolicy(tolerance=0.1, mem_limit_gib=1.0, max_micro_batch_size=4)
+    for world, steps in ((3, 4), (2, 3)):
+        with ckptd.Checkpointer(root, rank=0, world_size=1) as ckpt:
+            run = elastic.resume(ckpt, reference=reference, model=model, policy=policy,
+                                 world_size=world)
+            state = {"model": {"w": torch.arange(24.0).reshape(6, 4)}}
+            run.load(state)
+            for _ in range(steps):
+                run.step_done(loss=1.0)
+            run.save(state)
+    assert main(["reshard", root, "--to-world", "4", "--out", dest]) == 0
+    assert "| 4 |" in capsys.readouterr().out
+    with ckptd.Checkpointer(dest, rank=0, world_size=1) as ckpt:
+        run = elastic.resume(ckpt, reference=reference, model=model, policy=policy,
+                             world_size=4)
         dst = {"model": {"w": torch.zeros(6, 4)}}
-        training = ck.load(dst).training
+        run.load(dst)
+        training = ckpt.read_manifest(ckpt.latest_step()).training
     assert torch.equal(dst["model"]["w"], torch.arange(24.0).reshape(6, 4))
-    new = elastic.TrainingSpec.from_json(training["spec"])
-    assert new.world_size == 6 and new.global_batch_size == 48  # 6 x 4 x 2: 48 = 4 x 4 x 3
-    assert [h["reason"] for h in training["history"]] == ["start", "offline reshard"]
-    assert training["history"][-1]["previous_world_size"] == 4
+    reasons = [h["reason"] for h in training["history"]]
+    assert reasons == ["start", "scale-down", "reshard"]
+    assert run.step == 7 and run.training.world_size == 4 and run.entry.reason == "restart"
+    assert run.training == elastic.TrainingSpec.from_json(training["spec"])
+    assert abs(run.training.global_batch_size - reference.global_batch_size) <= 0.1 * 12
+    assert main(["history", dest]) == 0
+    assert "reshard" in capsys.readouterr().out
 
 
 def test_offline_reshard_holds_its_memory_budget(tmp_path: Path) -> None:

@@ -18,8 +18,7 @@ from ckptd.elastic.history import ElasticPolicy, NotElastic, TrainingMeta
 from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec, infer_model
 from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import catalog
-from ckptd.manifest import layout as L
+from ckptd.manifest import catalog, layout
 from ckptd.storage import Storage, open_storage
 
 
@@ -122,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             shapes = {n: tuple(t["shape"]) for n, t in doc["tensors"].items()}
             model = infer_model(shapes)
             saved_world = int(doc["world_size"])
-            print(f"{storage.url}/{L.step_dir(step)} has no elastic metadata: model inferred "
+            print(f"{storage.url}/{layout.step_dir(step)} has no elastic metadata: model inferred "
                   f"from its tensors (hidden {model.hidden_size}, {model.num_hidden_layers} "
                   f"layers, {model.num_parameters:.3g} parameters), previous world size "
                   f"{saved_world} from its manifest", file=sys.stderr)

@@ -86,9 +86,9 @@ def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> L
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     from ckptd import config
+    from ckptd.elastic.reshard import replan_training
     from ckptd.reshard.offline import Resharder
     from ckptd.reshard.targets import Resolver
-    from ckptd.reshard.training import replan_training
     from ckptd.storage import open_storage
 
     if not args.dry_run and not args.out:

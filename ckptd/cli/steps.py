@@ -10,8 +10,7 @@ from typing import Any
 
 from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import catalog
-from ckptd.manifest import layout as L
+from ckptd.manifest import catalog, layout
 from ckptd.storage import Storage, open_storage
 
 
@@ -43,7 +42,7 @@ def open_root(url: str, storage_options: dict[str, Any] | None) -> Storage:
     error (a listing of "nothing" would read as "no checkpoints yet")."""
     storage = open_storage(url, storage_options)
     names = storage.list_dir("")
-    if L.OWNER in names or any(L.parse_step_dir(n) is not None for n in names):
+    if layout.OWNER in names or any(layout.parse_step_dir(n) is not None for n in names):
         return storage
     if not names and not storage.exists(""):
         raise CheckpointNotFound(f"{storage.url}: no such checkpoint root")
@@ -53,11 +52,11 @@ def open_root(url: str, storage_options: dict[str, Any] | None) -> Storage:
         if not os.path.isdir(storage.url):
             raise CkptdError(f"{storage.url}: not a directory (a checkpoint root is one)")
     raise CkptdError(
-        f"{storage.url}: not a ckptd checkpoint root (no {L.OWNER}, no step-* directories)")
+        f"{storage.url}: not a ckptd checkpoint root (no {layout.OWNER}, no step-* directories)")
 
 
 def _row(storage: Storage, step: int) -> dict[str, Any]:
-    path = f"{storage.url}/{L.manifest_path(step)}"
+    path = f"{storage.url}/{layout.manifest_path(step)}"
     try:
         doc = catalog.read_doc(storage, step)
         chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
@@ -106,7 +105,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(m.to_json(), indent=1))
         return 0
-    print(f"checkpoint {storage.url}/{L.step_dir(step)}")
+    print(f"checkpoint {storage.url}/{layout.step_dir(step)}")
     print(
         f"step {m.step}   world size {m.world_size}   attempt {m.attempt}   "
         f"{human(m.nbytes)} in {len({c.file for t in m.tensors.values() for c in t.chunks})} "
@@ -138,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bar = progress(m.nbytes, "verify")
     try:
         with ThreadPoolExecutor(config.io_threads()) as pool:
-            report = verify(storage, L.step_dir(step), m, pool, progress=bar.update)
+            report = verify(storage, layout.step_dir(step), m, pool, progress=bar.update)
     finally:
         bar.close()
     out = {"step": step, "ok": report.ok, "tensors": report.tensors, "chunks": report.chunks,
@@ -170,8 +169,8 @@ def cmd_finalize(args: argparse.Namespace) -> int:
     else:
         print(f"finalized steps: {done}" if done else "nothing to finalise")
     if step is not None and not done:
-        raise CkptdError(f"{storage.url}/{L.step_dir(step)}: no complete attempt of the root's "
-                         "owner to commit (partials missing, failed, or another run's)")
+        raise CkptdError(f"{storage.url}/{layout.step_dir(step)}: no complete attempt of the "
+                         "root's owner to commit (partials missing, failed, or another run's)")
     return 0
 
 

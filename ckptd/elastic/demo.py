@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptd.elastic.history import Phase, TrainingMeta, scale_up_wait_s, summarize
+from ckptd.elastic.history import Incarnation, TrainingMeta, scale_up_wait_s, summarize
 from ckptd.errors import CkptdError
 
 _STORE_MAIN = """
@@ -315,7 +315,7 @@ DEMO_MEM_LIMIT_GIB = 240 / 2**20
 class DemoResult:
     workdir: Path
     ckpt: str
-    phases: list[Phase]
+    phases: list[Incarnation]
     exit_codes: dict[str, int | None]
     elapsed_s: float
 

@@ -19,8 +19,9 @@ version, documented in ``docs/elastic.md``::
      "preempted_at": unix time of the SIGTERM that ended the saving incarnation, or null}
 
 A history entry is appended each time the run (re)starts: ``reason`` is ``"start"``,
-``"scale-down"``, ``"scale-up"`` or ``"restart"`` (same world size). Only this module knows the
-layout; nothing here touches storage.
+``"scale-down"``, ``"scale-up"`` or ``"restart"`` (same world size), and by ``ckptd reshard``
+(``"reshard"``: the settings re-planned for the world the checkpoint was rewritten for). Only
+this module knows the layout, for readers and writers alike; nothing here touches storage.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ TRAINING_META_VERSION = 1
 # The loss series keeps at most this many points: when full, every other point is dropped and
 # the recording stride doubles, so a long run keeps an evenly spaced curve in a bounded manifest.
 MAX_LOSS_POINTS = 2048
-REASONS = ("start", "scale-down", "scale-up", "restart")
+REASONS = ("start", "scale-down", "scale-up", "restart", "reshard")
 
 
 class NotElastic(CkptdError, ValueError):
@@ -182,6 +183,14 @@ class TrainingMeta:
             raise NotElastic(f"{where}: malformed elastic metadata: {e}") from e
 
 
+def resharded(meta: TrainingMeta, spec: TrainingSpec, *, step: int, time: float) -> TrainingMeta:
+    """``meta`` after ``ckptd reshard`` rewrote its checkpoint for ``spec.world_size`` ranks with
+    the re-planned ``spec``: the next ``resume()`` on that world continues with it (a restart)."""
+    entry = HistoryEntry.of(spec, step=step, time=time, reason="reshard",
+                            reference=meta.reference, consumed_samples=meta.consumed_samples)
+    return dataclasses.replace(meta, spec=spec, history=meta.history + (entry,))
+
+
 def add_loss(losses: Sequence[tuple[int, float]], stride: int, step: int,
              loss: float) -> tuple[tuple[tuple[int, float], ...], int]:
     """``losses`` with ``(step, loss)`` recorded if ``step`` is on the stride; thinned (stride
@@ -276,7 +285,7 @@ class EventLog:
 
 
 @dataclasses.dataclass(frozen=True)
-class Phase:
+class Incarnation:
     """One incarnation of the run, summarised from the workers' events."""
 
     world: int
@@ -293,7 +302,7 @@ class Phase:
     downtime_s: float | None  # first SIGTERM of its end -> the next incarnation trains
 
 
-def summarize(events: list[dict[str, Any]]) -> list[Phase]:
+def summarize(events: list[dict[str, Any]]) -> list[Incarnation]:
     """Phases from the events of every incarnation (``resume`` events of rank 0 delimit them)."""
     starts = [e for e in events if e["ev"] == "resume" and e["rank"] == 0]
     phases = []
@@ -311,7 +320,7 @@ def summarize(events: list[dict[str, Any]]) -> list[Phase]:
         committed = [e["signal_to_committed_s"] for e in mine if e["ev"] == "preempt"
                      and e["signal_to_committed_s"] is not None and e["signalled"]]
         nxt = [e["t"] for e in events if e["ev"] == "training" and e["t"] >= t1]
-        phases.append(Phase(
+        phases.append(Incarnation(
             world=start["world"], reason=start["reason"], first_step=start["step"],
             last_step=max(steps, default=start["step"]), training=start["training"],
             saves=len({e["step"] for e in saves}),
@@ -323,7 +332,7 @@ def summarize(events: list[dict[str, Any]]) -> list[Phase]:
     return phases
 
 
-def render_phases(phases: list[Phase]) -> str:
+def render_phases(phases: list[Incarnation]) -> str:
     def ms(x: float | None) -> str:
         return "—" if x is None else f"{x * 1e3:.1f} ms"
 

@@ -172,18 +172,18 @@ def preempted(*, every: int = 1, group: Any = None) -> bool:
     channel = _channel(group)
     if channel is None:
         if _state.signal_time is not None:
-            _agree(_state.signal_time + _state.grace_s)
+            _set_deadline(_state.signal_time + _state.grace_s)
         return _state.agreed
     _state.calls += 1
     if _state.calls % every:
         return False
     deadline = _all_reduce_deadline(channel)
     if deadline is not None:
-        _agree(deadline)
+        _set_deadline(deadline)
     return _state.agreed
 
 
-def _agree(deadline: float) -> None:
+def _set_deadline(deadline: float) -> None:
     _state.deadline = deadline
     _state.agreed = True
 

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ckptd.checkpointer import Checkpointer, LoadResult
+from ckptd import checkpointer
+from ckptd.checkpointer import Checkpointer
 from ckptd.elastic import preemption
 from ckptd.elastic.history import (
     EXIT_RESTART,
@@ -41,6 +42,7 @@ from ckptd.elastic.history import (
     torchrun_world,
 )
 from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec, replan
+from ckptd.reshard.committed import LoadResult
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
@@ -57,7 +59,7 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def _agree(committed: bool, projected_s: float) -> tuple[bool, float]:
+def _all_committed(committed: bool, projected_s: float) -> tuple[bool, float]:
     """(every rank has the step committed, the slowest rank's projection)."""
     dist = dist_or_none()
     if dist is None or dist.get_world_size() == 1:
@@ -222,7 +224,8 @@ class ElasticRun:
             p.view.numel() * p.view.element_size()
             for p in describe(state, self.ckpt.rank, self.ckpt.world_size).pieces if p.is_writer)
         bandwidth = self._bandwidth or self.meta.policy.assumed_write_bytes_per_s
-        all_committed, projected = _agree(committed, nbytes / bandwidth if drained else math.inf)
+        projection = nbytes / bandwidth if drained else math.inf
+        all_committed, projected = _all_committed(committed, projection)
         left = preemption.remaining_grace_s()
         if all_committed:
             return outcome(True, "already committed")
@@ -303,9 +306,7 @@ def exit_now(code: int, ckpt: Checkpointer | None = None) -> None:
     import sys
 
     if ckpt is None:
-        from ckptd import api
-
-        ckpt = api._default
+        ckpt = checkpointer.default_or_none()
     if ckpt is not None:
         ckpt.close()
     logging.shutdown()
@@ -338,9 +339,7 @@ def resume(
     async-signal-light). ``events``: a local JSONL file for this run's events.
     """
     if ckpt is None:
-        from ckptd import api
-
-        ckpt = api._get()
+        ckpt = checkpointer.default()
     policy = policy or ElasticPolicy()
     world = ckpt.world_size if world_size is None else world_size
     rank = ckpt.rank if dp_rank is None else dp_rank

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from ckptd import config, errors
-from ckptd.checkpointer import Checkpointer, LoadResult
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.dcp_format import (
     DcpChunk,
@@ -48,15 +47,16 @@ from ckptd.interop.dcp_format import (
 )
 from ckptd.interop.source import by_budget
 from ckptd.regions import Box, copy_region
+from ckptd.reshard.committed import LoadResult
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
 from ckptd.storage import Storage, open_storage
-from ckptd.world import dist_or_none, gather_object
+from ckptd.world import dist_or_none, fail_together, gather_object
 
 __all__ = ["is_dcp", "load_dcp", "load_from_dcp"]
 
 
 @dataclass
-class _Copy:
+class _Placement:
     piece: Piece
     region: Box
     tensor: DcpTensor
@@ -65,7 +65,7 @@ class _Copy:
 
 @dataclass
 class _Plan:
-    copies: list[_Copy]
+    copies: list[_Placement]
     values: dict[str, tuple[str, list[str]]]  # destination key -> (DCP object name, sub-path)
 
     def items(self) -> list[tuple[DcpTensor, DcpChunk]]:
@@ -73,16 +73,6 @@ class _Plan:
         for c in self.copies:
             seen.setdefault(c.chunk.item, (c.tensor, c.chunk))
         return list(seen.values())
-
-
-def _agree(error: BaseException | None) -> None:
-    """Raise on every rank if any rank failed, with the first failing rank's error class."""
-    reports = gather_object(None if error is None else (type(error).__name__, str(error)))
-    if error is not None:
-        raise error
-    for rank, report in enumerate(reports):
-        if report is not None:
-            raise _remote(rank, report)
 
 
 def _resolve_value(index: DcpIndex, key: str) -> tuple[str, list[str]] | None:
@@ -97,7 +87,7 @@ def _resolve_value(index: DcpIndex, key: str) -> tuple[str, list[str]] | None:
 
 def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, list[str]]:
     problems: list[str] = []
-    copies: list[_Copy] = []
+    copies: list[_Placement] = []
     for p in described.pieces:
         if p.name.startswith(f"{LOCAL_PREFIX}/"):
             continue  # per-rank values: DCP has none, the destination keeps its own
@@ -121,7 +111,7 @@ def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, l
                 if inter is None:
                     nxt.append(r)
                     continue
-                copies.append(_Copy(p, inter, t, c))
+                copies.append(_Placement(p, inter, t, c))
                 nxt.extend(r.subtract(inter))
             remaining = nxt
         if remaining:
@@ -221,7 +211,7 @@ def _check(
         raise error
     for r, (_, _, f) in enumerate(gathered):
         if f is not None:
-            raise _remote(r, f)
+            raise _remote(r, *f)
     many = len(gathered) > 1
     problems = [
         f"rank {r}: {m}" if many else m for r, (_, ps, _) in enumerate(gathered) for m in ps
@@ -262,7 +252,7 @@ def _load(
                 read_chunks(storage, batch, pool)
     except Exception as e:  # noqa: BLE001 - every rank must reach _agree
         error = e
-    _agree(error)  # 3.
+    fail_together(error, _remote)  # 3.
     nbytes = sum(c.item.length for _, c in items)
     with torch.no_grad():  # 4. copy
         if total <= budget:
@@ -280,15 +270,14 @@ def _load(
     return LoadResult(step if ok else 0, storage.url, nbytes, {})
 
 
-def _copy(copies: list[_Copy], data: dict[Item, torch.Tensor]) -> None:
+def _copy(copies: list[_Placement], data: dict[Item, torch.Tensor]) -> None:
     for c in copies:
         src = data.get(c.chunk.item)
         if src is not None:
             copy_region(c.region, src, c.chunk.box, c.piece.view, c.piece.box)
 
 
-def _remote(rank: int, failure: tuple[str, str]) -> CkptdError:
-    kind, message = failure
+def _remote(rank: int, kind: str, message: str) -> CkptdError:
     cls = getattr(errors, kind, None)
     if kind == UntrustedPickle.__name__:
         cls = UntrustedPickle
@@ -303,23 +292,30 @@ def _summary(problems: list[str], limit: int = 8) -> str:
 
 
 def load_from_dcp(
-    ckpt: Checkpointer,
+    storage: Storage,
     state: Any,
     *,
     source: str | None,
     step: int | None,
     strict: bool,
     trust: bool,
+    rank: int,
+    world_size: int,
+    threads: int,
 ) -> LoadResult | None:
-    """The ``Checkpointer.load`` hook: load from ``source`` (a DCP directory) or, without one,
-    from the Checkpointer's root when that is a DCP directory; None means "not DCP, carry on"."""
-    if source is None and not is_dcp(ckpt.storage):
+    """The ``Checkpointer.load`` source plug-in (entry point ``ckptd.sources: dcp``): load
+    from ``source`` (a DCP directory) or, without one, from ``storage`` (the Checkpointer's
+    root) when that is a DCP directory; None means "not DCP, carry on"."""
+    if source is None and not is_dcp(storage):
         return None
-    storage = ckpt.storage if source is None else open_storage(source)
+    if source is not None:
+        storage = open_storage(source)
+        if not is_dcp(storage):
+            return None
     if step is not None:
         raise CkptdError(
             f"{storage.url}: a torch.distributed.checkpoint directory holds one checkpoint; "
             "step= does not apply to it"
         )
-    with ThreadPoolExecutor(ckpt.threads, thread_name_prefix="ckptd-dcp") as pool:
-        return _load(storage, state, ckpt.rank, ckpt.world_size, strict, trust, pool)
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-dcp") as pool:
+        return _load(storage, state, rank, world_size, strict, trust, pool)

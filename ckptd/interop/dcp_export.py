@@ -34,7 +34,7 @@ from ckptd.interop.source import (
     by_budget,
     disjoint_boxes,
     open_checkpoint,
-    split_rows,
+    slabs,
 )
 from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX
@@ -138,7 +138,7 @@ def export_dcp(
         boxes = [
             b
             for whole in disjoint_boxes([c.box for c in entry.chunks])
-            for b in split_rows(whole, itemsize, slab)
+            for b in slabs(whole, itemsize, slab)
         ]
         meta[key[name]] = TensorStorageMetadata(
             TensorProperties(dtype=entry.dtype),

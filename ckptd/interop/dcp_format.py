@@ -33,11 +33,11 @@ from typing import IO, Any, cast
 import torch
 
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
-from ckptd.manifest import layout as L
+from ckptd.manifest import layout
 from ckptd.regions import Box
 from ckptd.storage import Storage
 
-METADATA = L.DCP_METADATA
+METADATA = layout.DCP_METADATA
 
 
 class UntrustedPickle(CkptdError, PermissionError):

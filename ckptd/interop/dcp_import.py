@@ -28,11 +28,10 @@ from ckptd import config
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.dcp import read_chunks, read_objects
 from ckptd.interop.dcp_format import DcpChunk, DcpTensor, read_index
-from ckptd.manifest import Chunk, TensorEntry, codecs, dtype_name
-from ckptd.manifest import layout as L
+from ckptd.manifest import Chunk, TensorEntry, codecs, dtype_name, layout
 from ckptd.sharding import Piece
 from ckptd.storage import open_storage
-from ckptd.writer import commit as C
+from ckptd.writer import commit
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, stage
 from ckptd.writer.staging import StagingPool
 
@@ -96,10 +95,10 @@ def import_dcp(
         if step is None:
             top = objects.get("step")
             step = top if isinstance(top, int) and not isinstance(top, bool) else 0
-        if storage.exists(L.OWNER):  # claiming it would make a job writing there fail
+        if storage.exists(layout.OWNER):  # claiming it would make a job writing there fail
             raise CkptdError(
-                f"{storage.url}: already a ckptd root ({L.OWNER}); import into a new root, then "
-                "point ckptd.init at it"
+                f"{storage.url}: already a ckptd root ({layout.OWNER}); import into a new root, "
+                "then point ckptd.init at it"
             )
         declared: dict[str, TensorEntry] = {}
         for name, t in sorted(index.tensors.items()):
@@ -110,7 +109,7 @@ def import_dcp(
             declared[name] = TensorEntry(t.dtype, t.shape)
         run_id = uuid.uuid4().hex[:12]
         share = Share(step, f"{run_id}-000001", 0, 1, declared, values=values)
-        C.claim(storage, run_id)
+        commit.claim(storage, run_id)
         writer = RankWriter(storage, pool, StagingPool(1), codec, level)
         chunks: list[tuple[str, Chunk]] = []
         files = 0
@@ -133,9 +132,9 @@ def import_dcp(
         except BaseException:
             writer.discard(share, files)
             raise
-        C.coordinate(storage, step, share.attempt, 1, run_id)
+        commit.coordinate(storage, step, share.attempt, 1, run_id)
     return DcpImport(
-        f"{storage.url}/{L.step_dir(step)}",
+        f"{storage.url}/{layout.step_dir(step)}",
         step,
         len(declared),
         len(values),

@@ -19,8 +19,7 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, catalog
-from ckptd.manifest import layout as L
+from ckptd.manifest import Manifest, catalog, layout
 from ckptd.regions import Box
 from ckptd.reshard.load import load_into
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece
@@ -41,7 +40,7 @@ class Checkpoint:
 
     @property
     def url(self) -> str:
-        return f"{self.storage.url}/{L.step_dir(self.step)}"
+        return f"{self.storage.url}/{layout.step_dir(self.step)}"
 
     def tensor_names(self) -> list[str]:
         """Logical tensors, without the per-rank ``Local`` ones."""
@@ -85,7 +84,7 @@ def row_slabs(shape: tuple[int, ...], itemsize: int, slab_bytes: int = SLAB_BYTE
         yield Box((a,) + (0,) * (len(shape) - 1), (n, *shape[1:]))
 
 
-def split_rows(box: Box, itemsize: int, slab_bytes: int = SLAB_BYTES) -> list[Box]:
+def slabs(box: Box, itemsize: int, slab_bytes: int = SLAB_BYTES) -> list[Box]:
     """``box`` cut along its dim 0 like :func:`row_slabs`."""
     if not box.sizes:
         return [box]
@@ -121,7 +120,7 @@ class BoxReader:
         ]
         self.nbytes_read += load_into(
             self.ckpt.storage,
-            L.step_dir(self.ckpt.step),
+            layout.step_dir(self.ckpt.step),
             m,
             Described(pieces=pieces),
             rank=0,

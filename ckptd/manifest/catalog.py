@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
-from ckptd.manifest import layout as L
+from ckptd.manifest import layout
 from ckptd.manifest.envelope import open_doc
 from ckptd.storage import Storage, open_storage
 
@@ -45,7 +45,7 @@ class Owner:
 
 def read_owner(storage: Storage) -> Owner | None:
     try:
-        raw = storage.read_bytes(L.OWNER)
+        raw = storage.read_bytes(layout.OWNER)
     except FileNotFoundError:
         return None
     try:
@@ -55,7 +55,7 @@ def read_owner(storage: Storage) -> Owner | None:
             raise ValueError(f"generation {generation!r}")
         return Owner(str(doc["run"]), generation, float(doc.get("since", 0.0)))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpoint(f"{storage.url}/{L.OWNER}: unreadable ({e})") from e
+        raise CorruptCheckpoint(f"{storage.url}/{layout.OWNER}: unreadable ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,11 @@ class Committed:
 
 def all_steps(storage: Storage) -> list[int]:
     """Every step directory, committed or not, by number."""
-    return sorted(s for s in map(L.parse_step_dir, storage.list_dir("")) if s is not None)
+    return sorted(s for s in map(layout.parse_step_dir, storage.list_dir("")) if s is not None)
 
 
 def read_raw(storage: Storage, step: int) -> bytes:
-    path = L.manifest_path(step)
+    path = layout.manifest_path(step)
     try:
         return storage.read_bytes(path)
     except FileNotFoundError:
@@ -85,12 +85,12 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     from ckptd.manifest.schema import decode  # torch: only what loads tensors needs it
 
     raw = read_raw(storage, step)
-    return decode(raw, f"{storage.url}/{L.manifest_path(step)}")
+    return decode(raw, f"{storage.url}/{layout.manifest_path(step)}")
 
 
 def read_doc(storage: Storage, step: int) -> dict[str, Any]:
     """The manifest as checked JSON (size, digest, format; no tensors decoded, no torch)."""
-    return open_doc(read_raw(storage, step), f"{storage.url}/{L.manifest_path(step)}")
+    return open_doc(read_raw(storage, step), f"{storage.url}/{layout.manifest_path(step)}")
 
 
 def committed(storage: Storage) -> list[Committed]:
@@ -106,7 +106,8 @@ def committed(storage: Storage) -> list[Committed]:
         generation = doc.get("generation", 0)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
             raise CorruptCheckpoint(
-                f"{storage.url}/{L.manifest_path(step)}: generation {generation!r} is not valid"
+                f"{storage.url}/{layout.manifest_path(step)}: generation {generation!r} is "
+                "not valid"
             )
         out.append(Committed(step, generation))
     return sorted(out, key=lambda c: c.order)
@@ -125,7 +126,7 @@ def newest(storage: Storage) -> Committed | None:
 def split_step_url(url: str) -> tuple[str, int | None]:
     """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the newest committed)."""
     head, _, tail = url.rstrip("/").rpartition("/")
-    step = L.parse_step_dir(tail)
+    step = layout.parse_step_dir(tail)
     if step is not None and head:
         return head, step
     return url.rstrip("/") or url, None

@@ -7,10 +7,10 @@ frame carries a checksum of its *stored* bytes, so a reader verifies exactly wha
 partial read only ever touches, verifies and decodes the frames it needs.
 
 Byte planes help floating-point data: the sign/exponent plane compresses, mantissa planes are
-noise (measured here on random normals: bf16 ratio 1.29 -> 1.46, fp32 1.08 -> 1.19).
+noise, so grouping them raises zstd's ratio on float tensors.
 
-Checksum: xxh3-64 (measured here at ~28 GB/s on one core, vs ~14 GB/s crc32c, ~6 GB/s
-zlib.crc32 and ~7 GB/s blake3; benchmarks/checksum.py reproduces it).
+Checksum: xxh3-64, the fastest of the candidates on one core by about 2x (the figures:
+``benchmarks/checksum.py`` and ``benchmarks/README.md``, *Figures the code relies on*).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def _planes(raw: Buffer, itemsize: int, inverse: bool) -> bytes:
-    """Regroup bytes into planes (byte 0 of every element, then byte 1, ...) or back. numpy
-    does this ~8x faster than torch here (0.3 vs 2.5 ms per 1 MiB frame)."""
+    """Regroup bytes into planes (byte 0 of every element, then byte 1, ...) or back (numpy's
+    strided copy: several times faster than torch's for this; see benchmarks/README.md)."""
     a = np.frombuffer(raw, dtype=np.uint8)
     n = a.size // itemsize
     shape = (itemsize, n) if inverse else (n, itemsize)

@@ -25,7 +25,7 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.reshard.plan import Copy, Range, plan_load, row_major_strides
-from ckptd.reshard.reader import Buffers, ReadStats, StepFiles, run_ranges
+from ckptd.reshard.reader import Buffers, ReadStats, StepFiles, copy_range, run_ranges
 from ckptd.sharding import Piece
 
 
@@ -142,8 +142,6 @@ def fill(files: StepFiles, manifest: Manifest, ranges: list[Range],
     """Read ``ranges`` into their destinations: directly where the session reads into the
     caller's memory (local files), through ``buffers`` otherwise (the pieces left over are
     planned again, for their frames)."""
-    from ckptd.reshard.load import copy_range
-
     direct, rest = split(ranges, unit_bytes) if files.session.fills_buffers else ([], [])
     if not direct:  # nothing to read directly: the planned ranges as they are
         run_ranges(files, ranges, pool, buffers, copy_range, stats=stats)

@@ -27,17 +27,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
 from ckptd.reshard import direct, read_once
-from ckptd.reshard.plan import LoadPlan, Range, plan_load, source_view
-from ckptd.reshard.reader import Buffers, Data, Fetched, ReadStats, StepFiles, run_ranges
+from ckptd.reshard.plan import LoadPlan, Range, plan_load
+from ckptd.reshard.reader import (
+    Buffers,
+    Fetched,
+    ReadStats,
+    StepFiles,
+    copy_range,
+    run_ranges,
+)
 from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
 from ckptd.storage import Storage
-from ckptd.world import dist_or_none, gather_object
+from ckptd.world import dist_or_none, fail_together, gather_object
 
 
 @dataclass
@@ -150,23 +155,8 @@ def kept_suffix(ranges: list[Range], buffers: Buffers, threads: int, remote: boo
     return kept
 
 
-def copy_range(rng: Range, data: Data) -> None:
-    """Copy every region of ``rng`` into its destination (thread-safe: regions are disjoint)."""
-    with torch.no_grad():
-        for read in rng.reads:
-            raw = data[read]
-            for c in read.copies:
-                src = source_view(c, raw, c.piece.dtype)
-                c.piece.view[c.region.within(c.piece.box)].copy_(src)
-
-
-def _agree(error: BaseException | None) -> None:
-    messages = gather_object(None if error is None else str(error))
-    if error is not None:
-        raise error
-    for r, m in enumerate(messages):
-        if m is not None:
-            raise CorruptCheckpoint(f"load aborted on every rank: rank {r} failed: {m}")
+def _aborted(rank: int, kind: str, message: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"load aborted on every rank: rank {rank} failed: {message}")
 
 
 def load_into(
@@ -213,7 +203,7 @@ def load_into(
             error = e
         clock("read")
         try:
-            _agree(error)
+            fail_together(error, _aborted)
         except BaseException:
             _free(held, plan.ranges, buffers)
             raise
@@ -273,4 +263,4 @@ def _replace_values(manifest: Manifest, described: Described, rank: int) -> None
             slot.container[slot.key] = Local(saved_locals[key])
 
 
-__all__ = ["load_into", "check", "local_name", "last_stats", "LoadStats", "copy_range"]
+__all__ = ["load_into", "check", "local_name", "last_stats", "LoadStats"]

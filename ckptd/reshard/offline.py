@@ -15,7 +15,7 @@ verified) under a shared read budget of ``budget / 2``, then writes it with
 :class:`ckptd.writer.pipeline.RankWriter` (a fixed attempt id; its partial manifest per rank).
 The commit merges the partials (coverage and agreement checks of ``manifest.merge``), keeps the
 per-rank copies of replicated boxes, carries the source's values, per-rank values and training
-metadata (re-planned for the new world, :mod:`ckptd.reshard.training`), and writes
+metadata (re-planned for the new world, :mod:`ckptd.elastic.reshard`), and writes
 ``manifest.json`` atomically, then ``latest``.
 """
 
@@ -33,8 +33,7 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, TensorEntry, codecs, merge
-from ckptd.manifest import layout as L
+from ckptd.manifest import Manifest, TensorEntry, codecs, layout, merge
 from ckptd.reshard import direct
 from ckptd.reshard.load import gap_bytes, make_plan
 from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
@@ -140,7 +139,7 @@ class Resharder:
         self.plans = split_writers(self.assignment, self.replicate_small)
         self.workers = max(1, min(self.threads, len(self.plans)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
-        self.src_dir = L.step_dir(self.step)
+        self.src_dir = layout.step_dir(self.step)
 
     # ---------------------------------------------------------------- dry run
     def dry_run(self) -> list[RankReport]:
@@ -170,8 +169,8 @@ class Resharder:
         dest = self.dest
         if dest is None:
             raise CkptdError("reshard: no destination")
-        if dest.exists(L.manifest_path(self.step)):
-            raise CkptdError(f"{dest.url}/{L.step_dir(self.step)}: already committed; choose "
+        if dest.exists(layout.manifest_path(self.step)):
+            raise CkptdError(f"{dest.url}/{layout.step_dir(self.step)}: already committed; choose "
                              "another --out")
         run_id = f"reshard{uuid.uuid4().hex[:8]}"
         attempt = f"{run_id}-000001"
@@ -201,8 +200,8 @@ class Resharder:
                 for f in [workers.submit(one, p) for p in self.plans]:
                     f.result()
             except BaseException:
-                for path in (f"{L.step_dir(self.step)}/data/{attempt}",
-                             L.partials_dir(self.step, attempt)):
+                for path in (f"{layout.step_dir(self.step)}/data/{attempt}",
+                             layout.partials_dir(self.step, attempt)):
                     try:  # best effort: an abandoned attempt is also what `ckptd gc` removes
                         dest.remove(path)
                     except OSError:

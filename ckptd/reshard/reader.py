@@ -28,7 +28,7 @@ import torch
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
-from ckptd.reshard.plan import Range, Read
+from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
 from ckptd.storage.base import BlockCache, ReadSession, open_read
 
@@ -131,6 +131,16 @@ class ReadStats:
 
 
 Data = dict[Read, torch.Tensor]  # decoded bytes (uint8) of each read of a range
+
+
+def copy_range(rng: Range, data: Data) -> None:
+    """Copy every region of ``rng`` into its destination (thread-safe: regions are disjoint)."""
+    with torch.no_grad():
+        for read in rng.reads:
+            raw = data[read]
+            for c in read.copies:
+                src = source_view(c, raw, c.piece.dtype)
+                c.piece.view[c.region.within(c.piece.box)].copy_(src)
 
 
 def as_uint8(buf: Buf) -> torch.Tensor:

@@ -17,9 +17,8 @@ from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import Chunk, Manifest, TensorEntry, find_hole
 from ckptd.regions import Box
-from ckptd.reshard.load import copy_range
 from ckptd.reshard.plan import Range, Read, coalesce, itemsize_of, plan_load
-from ckptd.reshard.reader import Buffers, StepFiles, fetch_range, run_ranges
+from ckptd.reshard.reader import Buffers, StepFiles, copy_range, fetch_range, run_ranges
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 

@@ -131,10 +131,9 @@ class LocalStorage:
         return total
 
     def _write_direct(self, path: str, parts: list[memoryview]) -> int | None:
-        """Write bypassing the page cache: faster here (benchmarks/save.py floors, 1 GiB on a
-        loaded run: 2.1 vs 0.7 GB/s) and it leaves the training's memory bandwidth and cache
-        alone. None if the filesystem or buffer refuses (EINVAL): the caller falls back to
-        buffered I/O."""
+        """Write bypassing the page cache: faster on a loaded host (``benchmarks/save.py``
+        floors) and it leaves the training's memory bandwidth and cache alone. None if the
+        filesystem or buffer refuses (EINVAL): the caller falls back to buffered I/O."""
         try:
             fd = self._open_file(
                 path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, create_dirs=True

@@ -1,8 +1,8 @@
 """``compression="auto"``: compress only when it makes the save durable sooner.
 
-Compression pays when the storage is slower than the compressor: zstd runs at ~0.4-0.8 GB/s per
-core here while a local disk takes 1.5-3 GB/s, so local saves stay raw, while an object store at
-~0.2 GB/s gains the compression ratio (byte planes + zstd: ~1.2 on fp32, ~1.45 on bf16).
+Compression pays when the storage is slower than the compressor: a local disk usually takes
+bytes faster than zstd compresses them on one core, so local saves stay raw, while a slow object
+store gains the compression ratio (the measured figures: ``benchmarks/README.md``).
 
 The decision uses bandwidths measured on this rank's own saves: the storage write bandwidth of
 every raw save, and the compressor's throughput and ratio on a small sample of the staged bytes

@@ -25,8 +25,7 @@ from dataclasses import replace
 
 from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
-from ckptd.manifest import Manifest, decode, merge
-from ckptd.manifest import layout as L
+from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
@@ -70,10 +69,10 @@ def attempt_run(attempt: str) -> str:
 
 
 def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
-    d = L.partials_dir(step, attempt)
+    d = layout.partials_dir(step, attempt)
     out = []
     for name in storage.list_dir(d):
-        if L.is_partial(name):
+        if layout.is_partial(name):
             out.append(decode(storage.read_bytes(f"{d}/{name}"), f"{d}/{name}"))
     return out
 
@@ -100,7 +99,8 @@ def record_failure(
     if share:
         reason = f"rank {rank} failed: {kind}: {reason}"
     signals.publish_failure(attempt, kind, reason)
-    path = L.failed_path(step, attempt) if rank == 0 else L.rank_failed_path(step, attempt, rank)
+    path = (layout.failed_path(step, attempt) if rank == 0
+            else layout.rank_failed_path(step, attempt, rank))
     try:
         doc = {"rank": rank, "type": kind, "message": reason}
         storage.put_atomic(path, json.dumps(doc).encode())
@@ -137,25 +137,29 @@ def _failure(
     if found is not None:
         pass
     elif names is None:
-        found = _read_record(storage, L.failed_path(step, attempt))
+        found = _read_record(storage, layout.failed_path(step, attempt))
     else:
-        failed = sorted(n for n in names if L.is_rank_failure(n))
+        failed = sorted(n for n in names if layout.is_rank_failure(n))
         if failed:
-            found = _read_record(storage, f"{L.partials_dir(step, attempt)}/{failed[0]}")
+            found = _read_record(storage, f"{layout.partials_dir(step, attempt)}/{failed[0]}")
     return None if found is None else _not_committed(step, *found)
 
 
 # ----------------------------------------------------------------------------- the commit
-def commit(storage: Storage, manifest: Manifest, run_id: str, *, overwrite: bool = False) -> None:
+def commit(
+    storage: Storage, manifest: Manifest, run_id: str | None, *, overwrite: bool = False
+) -> None:
     """The one commit, for saves, finalisation, offline reshard and imports: check that
-    ``run_id`` still owns the root, refuse to replace a committed step (unless ``overwrite``),
-    write ``manifest.json`` atomically, then the advisory ``latest``.
+    ``run_id`` still owns the root (None: a root from before ``owner.json``), refuse to replace
+    a committed step (unless ``overwrite``), write ``manifest.json`` atomically, then the
+    advisory ``latest``.
 
     Once the manifest is written the step is committed whatever follows: a failure to move
     ``latest`` or to remove a replaced attempt's files is a warning, never an error."""
     step = manifest.step
-    check_owner(storage, run_id)
-    path = L.manifest_path(step)
+    if run_id is not None:
+        check_owner(storage, run_id)
+    path = layout.manifest_path(step)
     if not overwrite:
         try:
             old: Manifest | None = decode(storage.read_bytes(path), path)
@@ -165,16 +169,16 @@ def commit(storage: Storage, manifest: Manifest, run_id: str, *, overwrite: bool
             old = manifest
         if old is not None and old.attempt != manifest.attempt:
             raise CkptdError(
-                f"{storage.url}/{L.step_dir(step)}: step {step} is already committed (attempt "
+                f"{storage.url}/{layout.step_dir(step)}: step {step} is already committed (attempt "
                 f"{old.attempt}); a committed step is immutable: save another step number, or "
                 "pass overwrite=True to replace it"
             )
     storage.put_atomic(path, manifest.encode())
     try:
-        storage.put_atomic(L.LATEST, L.step_dir(step).encode())
+        storage.put_atomic(layout.LATEST, layout.step_dir(step).encode())
     except OSError as e:
         log.warning("ckptd: step %d is committed, but the advisory %s was not moved: %s",
-                    step, L.LATEST, e)
+                    step, layout.LATEST, e)
     if overwrite:
         remove_other_attempts(storage, step, manifest.attempt)
 
@@ -182,10 +186,10 @@ def commit(storage: Storage, manifest: Manifest, run_id: str, *, overwrite: bool
 def remove_other_attempts(storage: Storage, step: int, keep: str) -> None:
     """Best effort: the files and partials of every attempt of ``step`` other than ``keep``."""
     for sub in ("data", "ranks"):
-        for attempt in storage.list_dir(f"{L.step_dir(step)}/{sub}"):
+        for attempt in storage.list_dir(f"{layout.step_dir(step)}/{sub}"):
             if attempt != keep:
                 try:
-                    storage.remove(f"{L.step_dir(step)}/{sub}/{attempt}")
+                    storage.remove(f"{layout.step_dir(step)}/{sub}/{attempt}")
                 except OSError as e:
                     log.warning("ckptd: could not remove attempt %s of step %d: %s",
                                 attempt, step, e)
@@ -209,13 +213,13 @@ def coordinate(
     committed = False
     try:
         poller = Poller(storage, config.get().commit_timeout_s)
-        d = L.partials_dir(step, attempt)
+        d = layout.partials_dir(step, attempt)
         while True:
             names = storage.list_dir(d)
             failure = _failure(storage, step, attempt, signals, names)
             if failure is not None:
                 raise failure
-            present = [n for n in names if L.is_partial(n)]
+            present = [n for n in names if layout.is_partial(n)]
             if len(present) >= world_size:
                 break
             if not poller.wait():
@@ -243,7 +247,7 @@ def wait_committed(
     """Block until the coordinator committed ``attempt`` (or raise its reason)."""
     signals = signals or Signals(None)
     poller = Poller(storage, config.get().commit_timeout_s)
-    path = L.manifest_path(step)
+    path = layout.manifest_path(step)
     while True:
         if signals.committed(attempt):
             return
@@ -280,7 +284,7 @@ def claim(storage: Storage, run_id: str) -> int:
             log.warning("ckptd: committed step %d of the previous run %s, whose coordinator "
                         "stopped after every rank's share was durable", step, prev.run)
     generation = (prev.generation if prev is not None else 0) + 1
-    storage.put_atomic(L.OWNER, Owner(run_id, generation, time.time()).encode())
+    storage.put_atomic(layout.OWNER, Owner(run_id, generation, time.time()).encode())
     return generation
 
 
@@ -299,7 +303,7 @@ def finalize(storage: Storage, step: int) -> Manifest | None:
     the coordinator's rules: every rank's partial present, no failure marker or record, full
     coverage, the owner unchanged. None when no attempt qualifies. Used by ``ckptd finalize``;
     loads and ``latest_step()`` never commit anything."""
-    path = L.manifest_path(step)
+    path = layout.manifest_path(step)
     try:
         return decode(storage.read_bytes(path), path)
     except FileNotFoundError:
@@ -316,7 +320,7 @@ def recover(storage: Storage, owner: Owner) -> list[int]:
     after = max(mine, default=-1)
     done = []
     for step in all_steps(storage):
-        if step > after and not storage.exists(L.manifest_path(step)):
+        if step > after and not storage.exists(layout.manifest_path(step)):
             try:
                 if _finalize_as(storage, step, owner.run, owner.generation) is not None:
                     done.append(step)
@@ -330,11 +334,11 @@ def _finalize_as(
     storage: Storage, step: int, run: str | None, generation: int
 ) -> Manifest | None:
     best: Manifest | None = None
-    for attempt in storage.list_dir(f"{L.step_dir(step)}/ranks"):
+    for attempt in storage.list_dir(f"{layout.step_dir(step)}/ranks"):
         if run is not None and attempt_run(attempt) != run:
             continue  # another job's attempt: never commit it into this owner's root
-        names = storage.list_dir(L.partials_dir(step, attempt))
-        if L.FAILED in names or any(L.is_rank_failure(n) for n in names):
+        names = storage.list_dir(layout.partials_dir(step, attempt))
+        if layout.FAILED in names or any(layout.is_rank_failure(n) for n in names):
             continue
         partials = read_partials(storage, step, attempt)
         if not partials or len(partials) != partials[0].world_size:
@@ -345,9 +349,5 @@ def _finalize_as(
     if best is None:
         return None
     best = replace(best, generation=generation)
-    if run is None:
-        storage.put_atomic(L.manifest_path(step), best.encode())
-        storage.put_atomic(L.LATEST, L.step_dir(step).encode())
-    else:
-        commit(storage, best, run)
+    commit(storage, best, run)
     return best

@@ -41,32 +41,34 @@ class SaveHandle:
         self._lock = threading.Lock()
         self.on_wait_staged: list[object] = []
 
-    # -- producer side (the checkpointer); the first outcome wins, later ones are ignored (an
-    # interrupt in the caller may race the background thread's own outcome) --
-    def _set_staged(self) -> None:
+    # -- producer side (the Saver); the first outcome wins, later ones are ignored (an
+    # interrupt in the caller may race the save thread's own outcome) --
+    def mark_staged(self) -> None:
         with self._lock:
             if self._staged.done():
                 return
             self.phase = Phase.STAGED
             self._staged.set_result(None)
 
-    def _set_committed(self, result: SaveResult) -> None:
+    def mark_committed(self, result: SaveResult) -> None:
         with self._lock:
             if self._committed.done():
                 return
             self.phase = Phase.COMMITTED
             self._committed.set_result(result)
 
-    def _set_failed(self, error: BaseException) -> None:
+    def mark_failed(self, error: BaseException, *, reported: bool = False) -> None:
+        """``reported``: the error is being raised to the caller already (not again later)."""
         with self._lock:
             if self._committed.done():
                 return
             self.phase = Phase.FAILED
+            self._reported = reported
             if not self._staged.done():
                 self._staged.set_exception(error)
             self._committed.set_exception(error)
 
-    def _take_error(self) -> BaseException | None:
+    def take_error(self) -> BaseException | None:
         """The background error, once: the first caller to take it raises it."""
         if not self._committed.done():
             return None
@@ -76,6 +78,10 @@ class SaveHandle:
                 return None
             self._reported = True
         return error
+
+    def wait_done(self) -> None:
+        """Block until committed or failed, without raising (errors go through take_error)."""
+        self._committed.exception()
 
     # -- consumer side --
     def done(self) -> bool:

@@ -1,8 +1,8 @@
 """Parallel host-memory copies for staging (the copy the caller of ``save_async`` waits for).
 
-One thread copies ~13-17 GB/s here, two ~25 GB/s (``benchmarks/save.py`` floors, 2 GiB, quiet
-2-core machine: 121 vs 81 ms); during the stall the caller's thread is blocked anyway, so staging
-uses up to ``config.stage_threads`` threads. Copies are cut into segments of ``SEGMENT`` bytes
+A second thread raises the copy bandwidth well above one thread's (``benchmarks/save.py``
+floors); during the stall the caller's thread is blocked anyway, so staging uses up to
+``config.stage_threads`` threads. Copies are cut into segments of ``SEGMENT`` bytes
 that the caller and the helper threads take from one shared list. The caller waits only for
 segments in flight, never for a helper to be scheduled: on a busy host where no helper gets a
 core, the caller copies everything itself (torch's ``copy_`` instead splits every call over its

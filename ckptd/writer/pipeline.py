@@ -23,8 +23,7 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError, CorruptCheckpoint
-from ckptd.manifest import Chunk, Manifest, TensorEntry
-from ckptd.manifest import layout as L
+from ckptd.manifest import Chunk, Manifest, TensorEntry, layout
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -168,12 +167,12 @@ class RankWriter:
             for plan in rnd.plans:
                 if stage_first:
                     stage(arena.buffer, [plan])
-                path = L.data_file(share.attempt, share.rank, first_index + plan.index)
+                path = layout.data_file(share.attempt, share.rank, first_index + plan.index)
                 futures.append(
                     self.io.submit(
                         write_file,
                         self.storage,
-                        L.step_dir(share.step),
+                        layout.step_dir(share.step),
                         path,
                         arena.buffer,
                         plan,
@@ -219,7 +218,7 @@ class RankWriter:
             rank=share.rank,
         )
         self.storage.put_atomic(
-            L.partial_path(share.step, share.attempt, share.rank), partial.encode()
+            layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
         )
         return partial
 
@@ -248,7 +247,7 @@ class RankWriter:
     def discard(self, share: Share, files: int) -> None:
         """Best effort: a failed save should not keep holding space (a full disk)."""
         for i in range(files):
-            path = f"{L.step_dir(share.step)}/{L.data_file(share.attempt, share.rank, i)}"
+            path = f"{layout.step_dir(share.step)}/{layout.data_file(share.attempt, share.rank, i)}"
             try:
                 self.storage.remove(path)
             except OSError as e:

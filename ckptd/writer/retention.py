@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckptd import config
-from ckptd.manifest import layout as L
+from ckptd.manifest import layout
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, read_owner
 from ckptd.storage import Storage
 from ckptd.writer.commit import attempt_run
@@ -35,8 +35,9 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
     steps = committed(storage)
     doomed = [c.step for c in steps[: max(0, len(steps) - max(1, keep_last))]]
     for s in doomed:
-        storage.remove(L.manifest_path(s))  # uncommit first: readers never see a half-deleted step
-        storage.remove(L.step_dir(s))
+        # uncommit first: readers never see a half-deleted step
+        storage.remove(layout.manifest_path(s))
+        storage.remove(layout.step_dir(s))
     return doomed
 
 
@@ -64,8 +65,8 @@ class _Judge:
         self.newest_seq = max(map(_seq, mine), default=-1)
 
     def dead(self, step: int, attempt: str) -> bool:
-        names = self.storage.list_dir(L.partials_dir(step, attempt))
-        if L.FAILED in names or any(L.is_rank_failure(n) for n in names):
+        names = self.storage.list_dir(layout.partials_dir(step, attempt))
+        if layout.FAILED in names or any(layout.is_rank_failure(n) for n in names):
             return True
         if self.owner is None:  # a root from before owner.json
             return step < self.newest_step
@@ -102,11 +103,11 @@ def collect_garbage(
     attempts: dict[int, set[str]] = {s: set() for s in all_steps(storage)}
     for s in attempts:
         for sub in ("data", "ranks"):
-            attempts[s].update(storage.list_dir(f"{L.step_dir(s)}/{sub}"))
+            attempts[s].update(storage.list_dir(f"{layout.step_dir(s)}/{sub}"))
     if listed is not None:  # an outage mid-upload can leave a step with nothing but uploads
         for path, _age in listed(""):
             parts = path.split("/")
-            step = L.parse_step_dir(parts[0])
+            step = layout.parse_step_dir(parts[0])
             if step is not None and len(parts) > 2 and parts[1] == "data":
                 attempts.setdefault(step, set()).add(parts[2])
 
@@ -115,17 +116,17 @@ def collect_garbage(
         dead = sorted(a for a in attempts[step] if a != keep and judge.dead(step, a))
         if keep is None and len(dead) == len(attempts[step]):
             if abort is not None:
-                report.aborted_uploads += int(abort(L.step_dir(step), min_age_s=0.0))
-            storage.remove(L.step_dir(step))
+                report.aborted_uploads += int(abort(layout.step_dir(step), min_age_s=0.0))
+            storage.remove(layout.step_dir(step))
             report.removed_incomplete.append(step)
             continue
         for a in dead:
             for sub in ("data", "ranks"):
-                where = f"{L.step_dir(step)}/{sub}/{a}"
+                where = f"{layout.step_dir(step)}/{sub}/{a}"
                 if abort is not None:
                     report.aborted_uploads += int(abort(where, min_age_s=0.0))
                 storage.remove(where)
-            report.removed_attempts.append(f"{L.step_dir(step)}/{a}")
+            report.removed_attempts.append(f"{layout.step_dir(step)}/{a}")
     if abort is not None:
         report.aborted_uploads += int(abort("", min_age_s=min_age))
     return report

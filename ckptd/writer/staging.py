@@ -4,7 +4,7 @@ Each writer piece is copied into a host *arena*, at the same offset it will have
 file, so the arena is the image of the rank's files and the background writer sends it to
 storage without another copy. Arenas are allocated once (sized by the first save, grown only if
 a later save is larger) and reused: a copy into reused memory runs at memcpy speed, into fresh
-memory it is page-fault bound (1-4 GB/s here vs ~15 GB/s).
+memory it is page-fault bound, several times slower (``benchmarks/README.md``).
 
 On CUDA, arenas are pinned and the copies run on a side stream; ``stage`` synchronises that
 stream before returning, so "staged" always means "the source may now be modified".
@@ -101,7 +101,3 @@ def copy_into(arena: torch.Tensor, offset: int, src: torch.Tensor) -> None:
     dst = arena[offset : offset + n].view(src.dtype).view(src.shape)
     dst.copy_(src, non_blocking=src.is_cuda)
 
-
-def prefault(arena: torch.Tensor) -> None:
-    """Touch every page of a fresh arena so the first save does not pay the page faults."""
-    arena.view(-1)[::4096].zero_()

@@ -1,0 +1,110 @@
+"""Which checkpoint a load reads: a named step, the newest committed step, or another source
+through a plug-in; and what a step rotated away by retention under a reader means.
+
+Retention uncommits a step (removes its ``manifest.json``) before it deletes its files, so a
+reader that finds a data file missing and then the manifest gone knows the step was rotated
+away, not damaged: loading the newest step retries once; loading a named step says so
+(:class:`~ckptd.errors.CheckpointNotFound`), never "corrupt".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.manifest import catalog, layout
+from ckptd.reshard.load import load_into
+from ckptd.sharding import Described
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd")
+
+SOURCE_PLUGINS = "ckptd.sources"  # entry-point group of the load(source=...) readers
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load filled the state from: the step, its URL, the bytes read, and the step's
+    ``training`` metadata."""
+
+    step: int
+    url: str
+    nbytes_read: int
+    training: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One rank's view of a root for loading."""
+
+    storage: Storage
+    rank: int
+    world_size: int
+    pool: ThreadPoolExecutor  # the I/O threads
+
+    def load_step(self, described: Described, step: int, strict: bool) -> LoadResult:
+        manifest = catalog.read_manifest(self.storage, step)
+        nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
+                           rank=self.rank, world_size=self.world_size, strict=strict,
+                           pool=self.pool)
+        url = f"{self.storage.url}/{layout.step_dir(step)}"
+        return LoadResult(step, url, nbytes, dict(manifest.training))
+
+    def load_named(self, described: Described, step: int, strict: bool) -> LoadResult:
+        try:
+            return self.load_step(described, step, strict)
+        except CorruptCheckpoint as e:  # its manifest was read: was it removed since?
+            if self.rotated_away(step):
+                raise CheckpointNotFound(
+                    f"{self.storage.url}/{layout.step_dir(step)}: removed while it was being read "
+                    "(retention keeps only the newest steps: load a newer one)"
+                ) from e
+            raise
+
+    def load_newest(self, described: Described, strict: bool,
+                    newest: Callable[[], int | None]) -> LoadResult:
+        """The newest committed step (``newest()``, agreed by every rank), retried once when
+        retention removed it while it was being read."""
+        for last_try in (False, True):
+            step = newest()
+            if step is None:
+                raise CheckpointNotFound(f"{self.storage.url}: no committed checkpoint")
+            try:
+                return self.load_step(described, step, strict)
+            except (CorruptCheckpoint, CheckpointNotFound):
+                if last_try or not self.rotated_away(step):
+                    raise
+                log.warning("ckptd: step %d was removed by retention while being read; "
+                            "loading the newest step", step)
+        raise AssertionError("unreachable")
+
+    def rotated_away(self, step: int) -> bool:
+        """Whether ``step`` stopped being committed."""
+        try:
+            return not self.storage.exists(layout.manifest_path(step))
+        except OSError:
+            return False
+
+    def load_source(self, state: Any, source: str | None, step: int | None, strict: bool,
+                    trust: bool) -> LoadResult | None:
+        """Ask the installed source plug-ins (entry points in the ``ckptd.sources`` group;
+        ckptd's own reads torch.distributed.checkpoint directories) to load ``source``, or the
+        root when it is not a ckptd root. None: a ckptd root, load it as one."""
+        from importlib.metadata import entry_points
+
+        plugins = sorted(entry_points(group=SOURCE_PLUGINS), key=lambda e: e.name)
+        for plugin in plugins:
+            result = plugin.load()(self.storage, state, source=source, step=step,
+                                   strict=strict, trust=trust, rank=self.rank,
+                                   world_size=self.world_size,
+                                   threads=self.pool._max_workers)  # typeshed declares it
+            if result is not None:
+                return result  # type: ignore[no-any-return]
+        if source is not None:
+            names = ", ".join(e.name for e in plugins) or "none is installed"
+            raise CkptdError(f"{source}: no source plug-in can read it (plug-ins: {names})")
+        return None

@@ -1,0 +1,327 @@
+"""The save path: one :class:`Saver` per writing rank and root does every save from a described
+state to its commit.
+
+    plan     cut the rank's writer pieces into files (and into rounds over the host budget)
+    stage    copy them into a staging arena — the only part the caller waits for
+    write    the files, in parallel on the I/O threads
+    partial  this rank's partial manifest
+    commit   the coordinator (rank 0) merges the partials and commits (:mod:`.commit`); the
+             other ranks wait for it. Then retention and the metrics line.
+
+Staging is one mechanism, :meth:`Saver._stage`, run in one of two places: in the caller's
+thread (the default: ``save_async`` returns once the state is staged) or on the save thread
+(``overlap=True``: the caller gets the handle at once and calls ``wait_staged()``). Within it,
+files are either all staged before the writers start, or staged one after another with the
+writers starting on each (``config.pipelined_staging``); a state over the host budget is staged
+and written round by round, which makes the caller wait until it is durable.
+
+Everything after staging runs on a single save thread per Saver, so saves of one rank commit
+in order. No collectives happen here: a rank's failure reaches the others through storage and
+the process group's store (:mod:`.signals`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd import config
+from ckptd.errors import CkptdError
+from ckptd.manifest import Chunk, TensorEntry, codecs, layout
+from ckptd.sharding import Described
+from ckptd.storage import Storage
+from ckptd.storage.base import append_text
+from ckptd.writer import commit, retention
+from ckptd.writer.autocodec import AutoCodec, largest_float_slot
+from ckptd.writer.files import gather
+from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
+from ckptd.writer.pipeline import (
+    RankWriter,
+    Round,
+    Share,
+    check_unmodified,
+    n_files,
+    plan_rounds,
+    stage,
+    stored_bytes,
+)
+from ckptd.writer.signals import Signals
+from ckptd.writer.staging import Arena, StagingPool
+
+log = logging.getLogger("ckptd")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How one rank saves under one root (the Checkpointer's configuration)."""
+
+    rank: int
+    world_size: int
+    run_id: str
+    keep_last: int = 3
+    compression: str | None = None  # None, "zstd[:level]", "auto"
+    threads: int = 4
+    max_inflight: int = 1
+    on_busy: str = "block"  # or "skip"
+    host_budget_bytes: int | None = None
+    debug_overlap: bool = False  # check at wait_staged() that the state was not modified
+
+
+@dataclass
+class _Job:
+    """One save between ``save_async`` and its commit."""
+
+    share: Share
+    rounds: list[Round]
+    handle: SaveHandle
+    codec: str  # this save's codec (compression="auto" chooses per save; urgent saves are raw)
+    overwrite: bool
+    arena: Arena | None = None  # one round: staged in an arena, written in the background
+    chunks: list[tuple[str, Chunk]] = field(default_factory=list)
+    futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files being written
+    t_write: float = float("inf")  # when the first file was handed to an I/O thread
+
+
+class Saver:
+    """Every save of one rank under one root. The coordinator (rank 0) claims the root when
+    the Saver is created: a job still writing under the previous owner fails its next commit."""
+
+    def __init__(self, storage: Storage, options: SaveOptions, signals: Signals,
+                 io: ThreadPoolExecutor) -> None:
+        """``io``: the I/O threads that write the files (the caller's; shared with loads)."""
+        if options.on_busy not in ("block", "skip"):
+            raise ValueError(f"on_busy must be 'block' or 'skip', got {options.on_busy!r}")
+        self.storage = storage
+        self.options = options
+        self.auto = AutoCodec(options.threads) if options.compression == "auto" else None
+        self.codec, level = codecs.parse_compression(None if self.auto else options.compression)
+        self.pool = StagingPool(max(1, options.max_inflight))
+        self.signals = signals
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
+        self._writer = RankWriter(storage, io, self.pool, self.codec, level)
+        self._handles: list[SaveHandle] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.generation = 0
+        if options.rank == 0:
+            self.generation = commit.claim(storage, options.run_id)
+
+    # ------------------------------------------------------------------ the caller's half
+    def save_async(
+        self,
+        described: Described,
+        step: int,
+        *,
+        overlap: bool = False,
+        training: dict[str, Any] | None = None,
+        urgent: bool = False,
+        overwrite: bool = False,
+    ) -> SaveHandle:
+        """Plan and stage ``described`` for ``step`` (unless ``overlap``) and hand the rest to
+        the save thread. A failure before the hand-off fails the handle and is raised here."""
+        opts = self.options
+        t0 = time.perf_counter()
+        self.raise_pending()
+        inflight = [h for h in self._handles if not h.done()]
+        if len(inflight) >= max(1, opts.max_inflight):
+            if opts.on_busy == "skip":
+                log.warning("ckptd: step %d skipped: %d save(s) still in flight",
+                            step, len(inflight))
+                return SkippedHandle(step, self.storage.url)
+            for h in inflight[: len(inflight) - max(1, opts.max_inflight) + 1]:
+                h.wait_done()
+            self.raise_pending()
+        self._seq += 1
+        share = Share(
+            step=step,
+            attempt=f"{opts.run_id}-{self._seq:06d}",
+            rank=opts.rank,
+            world_size=opts.world_size,
+            declared={p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces},
+            values=_json_copy(described.values) if opts.rank == 0 else {},
+            locals=_json_copy(
+                {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
+            ),
+            training=_json_copy(training or {}),
+        )
+        rounds = self.plan(described)
+        if len(rounds) > 1 and overlap:
+            raise CkptdError(
+                f"step {step}: overlap=True needs the state staged at once, but it needs "
+                f"{sum(r.nbytes for r in rounds)} bytes and the host budget is "
+                f"{opts.host_budget_bytes}"
+            )
+        handle = SaveHandle(step, f"{self.storage.url}/{layout.step_dir(step)}")
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        codec = codecs.RAW if urgent else self.auto.choose() if self.auto else self.codec
+        job = _Job(share, rounds, handle, codec, overwrite)
+        submitted = False
+        try:
+            if not overlap:
+                self._stage(job)
+                handle.stall_s = time.perf_counter() - t0
+            self._thread.submit(self._finish, job, overlap)
+            submitted = True
+        except BaseException as e:  # Ctrl-C included: the exit drain must not wait on it
+            if not submitted:
+                self._abandon(job, e)
+            raise
+        if overlap:
+            handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def plan(self, described: Described) -> list[Round]:
+        pieces = [p for p in described.pieces if p.is_writer]
+        return plan_rounds(pieces, self.options.threads, self.options.host_budget_bytes)
+
+    def reserve(self, described: Described) -> int:
+        """Allocate (and fault in) the staging memory ``described`` will need."""
+        need = max(r.nbytes for r in self.plan(described))
+        self.pool.release(self.pool.acquire(need))
+        return need
+
+    def _stage(self, job: _Job) -> None:
+        """Copy the state into host memory and start the file writes; then the caller may
+        modify the state. Over the host budget: stage and write round by round (blocking)."""
+        share, rounds = job.share, job.rounds
+        if len(rounds) > 1:
+            log.warning(
+                "ckptd: step %d needs %d bytes of staging, over the host budget of %d: "
+                "writing it in %d blocking rounds", share.step, sum(r.nbytes for r in rounds),
+                self.options.host_budget_bytes, len(rounds))
+            job.chunks = self._writer.write_rounds(share, rounds, codec=job.codec)
+        else:
+            job.arena = self.pool.acquire(rounds[0].nbytes)
+            if self.options.debug_overlap:
+                buffer, plans = job.arena.buffer, rounds[0].plans
+                job.handle.on_wait_staged.append(lambda: check_unmodified(plans, buffer))
+            job.t_write = time.perf_counter()
+            pipelined = config.pipelined_staging(self.options.threads)
+            if not pipelined:  # every core copies first; then the writers start
+                stage(job.arena.buffer, rounds[0].plans)
+            job.futures = self._writer.start_files(
+                share, job.arena, rounds[0], 0, stage_first=pipelined, codec=job.codec)
+        job.handle.mark_staged()
+
+    def _abandon(self, job: _Job, error: BaseException) -> None:
+        """A save that failed (or was interrupted) before the hand-off: no write may still read
+        the arena when it goes back to the pool; its files go; the handle fails with the error
+        that is raised to the caller right here."""
+        for f in job.futures or ():
+            f.exception()
+        if job.arena is not None:
+            self.pool.release(job.arena)
+        self._writer.discard(job.share, n_files(job.rounds))
+        job.handle.mark_failed(error, reported=True)
+
+    # ------------------------------------------------------------------ the save thread's half
+    def _finish(self, job: _Job, stage_here: bool) -> None:
+        """Stage (``overlap=True``), finish the writes, write the partial, commit or wait for
+        the commit; then retention."""
+        h, share, opts = job.handle, job.share, self.options
+        partial_written = False
+        try:
+            try:
+                if stage_here:
+                    self._stage(job)
+                t_staged = time.perf_counter()
+                if job.futures is not None:
+                    job.chunks = gather(job.futures)
+                    if self.auto is not None:
+                        self._observe(job, time.perf_counter() - job.t_write)
+            finally:
+                if job.arena is not None:  # start_files and gather return after every write
+                    self.pool.release(job.arena)
+            self._writer.write_partial(share, job.chunks)
+            partial_written = True
+            if opts.rank == 0:
+                commit.coordinate(self.storage, share.step, share.attempt, opts.world_size,
+                                  opts.run_id, generation=self.generation,
+                                  overwrite=job.overwrite, signals=self.signals)
+            else:
+                commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
+            result = SaveResult(share.step, h.url, stored_bytes(job.chunks), h.stall_s,
+                                time.perf_counter() - t_staged)
+            self._record(result)
+            h.mark_committed(result)
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            log.error("ckptd: save of step %d failed: %s", share.step, e)
+            h.mark_failed(e)
+            # best effort, after the error is delivered (an unreachable store retries every
+            # request); this thread still finishes it before the next save
+            if not partial_written:  # once a partial names them, a commit may still use them
+                # this rank's share failed: tell the others, or they wait for the timeout
+                commit.record_failure(self.storage, self.signals, share.step, share.attempt,
+                                      opts.rank, e)
+                self._writer.discard(share, n_files(job.rounds))
+            return
+        if opts.rank == 0 and opts.keep_last > 0:
+            # after the commit is announced: deleting a large old step takes a while and must
+            # not delay "committed"; this thread finishes it before the next save's commit
+            try:
+                retention.apply_retention(self.storage, opts.keep_last)
+            except OSError as e:
+                log.warning("ckptd: retention after step %d failed: %s", share.step, e)
+
+    def _observe(self, job: _Job, seconds: float) -> None:
+        """Feed compression="auto" with this save's write bandwidth and a compressor sample."""
+        assert self.auto is not None and job.arena is not None
+        self.auto.observe_write(stored_bytes(job.chunks), seconds, job.codec)
+        slots = [(s.piece.view, s.offset, s.nbytes) for p in job.rounds[0].plans for s in p.slots]
+        best = largest_float_slot(slots)
+        if best is not None and self.auto.zstd_bps is None:
+            offset, nbytes, itemsize = best
+            mem = memoryview(job.arena.buffer.numpy()).cast("B")  # type: ignore[arg-type]
+            self.auto.observe_sample(mem[offset : offset + nbytes], itemsize)
+        log.info(
+            "ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
+            (self.auto.write_bps or 0) / 1e9, (self.auto.zstd_bps or 0) / 1e9,
+            self.auto.ratio or 0, self.auto.choose())
+
+    def _record(self, r: SaveResult) -> None:
+        line = {"step": r.step, "rank": self.options.rank,
+                "world_size": self.options.world_size, "nbytes": r.nbytes,
+                "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
+                "time": time.time()}
+        log.info("ckptd save %s", json.dumps(line))
+        if self.options.rank == 0:
+            try:
+                append_text(self.storage, layout.METRICS, json.dumps(line) + "\n")
+            except OSError as e:
+                log.warning("ckptd: could not append metrics: %s", e)
+
+    # ------------------------------------------------------------------ waiting
+    def raise_pending(self) -> None:
+        """Raise the first background error not yet raised to the caller."""
+        for h in self._handles:
+            err = h.take_error()
+            if err is not None:
+                raise err
+
+    def wait(self) -> None:
+        """Every in-flight save done; raise the first background error."""
+        for h in list(self._handles):
+            h.wait_done()
+        self.raise_pending()
+
+    def close(self) -> None:
+        """Drain, then stop the save thread (raises a pending background error)."""
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+
+
+def _json_copy(value: Any) -> Any:
+    """A snapshot of JSON-able values, taken at the call (the caller may change them after)."""
+    return json.loads(json.dumps(value))
+
+
+__all__ = ["Saver", "SaveOptions"]
