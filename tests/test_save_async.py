@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -95,14 +96,37 @@ def test_on_busy_skip_drops_the_new_save_and_says_so(tmp_path, caplog):
             assert first.result().step == 1
 
 
+class _HeldWrites(LocalStorage):
+    """Data files of step 1 are written only once ``release`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.release = threading.Event()
+
+    def write_file(self, path, parts):  # type: ignore[no-untyped-def]
+        if path.startswith("step-000000001/data/"):
+            self.release.wait()
+        return super().write_file(path, parts)
+
+
 def test_overlap_stages_in_the_background_until_wait_staged(tmp_path):
-    with ckptd.Checkpointer(str(tmp_path)) as c:
+    """With overlap=True the copy happens on the save thread: while that thread is still busy
+    with step 1 (its writes held), step 2's save_async has returned and nothing is staged."""
+    storage = _HeldWrites(str(tmp_path))
+    with ckptd.Checkpointer(str(tmp_path), storage=storage, max_inflight=2) as c:
+        first = c.save_async(_state(1.0), step=1)
         state = _state(3.0)
-        h = c.save_async(state, step=1, overlap=True)
+        try:
+            h = c.save_async(state, step=2, overlap=True)
+            phase = h.phase
+        finally:
+            storage.release.set()  # whatever happened: the checkpointer must be able to close
+        assert phase is Phase.STAGING  # it returned before staging: the save thread was busy
         h.wait_staged()
         state["model"]["a"].fill_(-1.0)  # allowed after wait_staged
+        first.result()
         h.result()
-        assert torch.equal(_load(c)["model"]["a"], torch.full((4096,), 3.0))
+        assert torch.equal(_load(c, 2)["model"]["a"], torch.full((4096,), 3.0))
 
 
 def test_debug_mode_detects_a_modification_before_wait_staged(tmp_path):
@@ -165,7 +189,8 @@ def test_compression_auto_compresses_only_when_the_storage_is_slower_than_zstd(t
         c.save(state, step=2)
         codecs_used = [{ch.codec for ch in c.read_manifest(s).tensors["w"].chunks} for s in (1, 2)]
         assert codecs_used == [{"raw"}, {"zstd-planes"}]
-        assert c.auto is not None and c.auto.ratio is not None and c.auto.ratio > 1.2
+        auto = c._saver.auto
+        assert auto is not None and auto.ratio is not None and auto.ratio > 1.2
         dst = {"w": torch.zeros(1 << 20, dtype=torch.bfloat16)}
         c.load(dst)
         assert torch.equal(dst["w"], state["w"])
@@ -216,8 +241,6 @@ def test_reserve_allocates_the_staging_memory_before_the_first_save(tmp_path):
 
 
 def test_the_staging_copy_is_exact_and_never_waits_for_a_helper_that_gets_no_cpu():
-    import threading
-
     from ckptd.writer import memcopy
 
     src = torch.randint(0, 255, (3 * memcopy.SEGMENT + 12344,), dtype=torch.uint8)
@@ -230,13 +253,21 @@ def test_the_staging_copy_is_exact_and_never_waits_for_a_helper_that_gets_no_cpu
         memcopy.copy_all(copies, threads=threads)
         assert torch.equal(dst[: src.numel()], src)
         assert torch.equal(dst[src.numel() + 64 :].view(torch.int64), small)
-    # the only helper thread is busy elsewhere: the caller copies every segment itself
+    # the only helper thread is busy elsewhere: the caller copies every segment itself, and
+    # returns while the helper is still busy (a caller that waited for it would never return)
     release = threading.Event()
     busy = memcopy._helpers(1).submit(release.wait)
+    dst = torch.zeros_like(src)
+    done = threading.Event()
+    copier = threading.Thread(
+        target=lambda: (memcopy.copy_all([(dst.data_ptr(), src.data_ptr(), src.numel())],
+                                         threads=2), done.set()))
+    copier.start()
     try:
-        dst = torch.zeros_like(src)
-        memcopy.copy_all([(dst.data_ptr(), src.data_ptr(), src.numel())], threads=2)
-        assert torch.equal(dst, src)
+        # a bound on the failure only: the copy takes milliseconds
+        assert done.wait(60), "copy_all waited for a helper that never got to run"
+        assert not busy.done() and torch.equal(dst, src)
     finally:
         release.set()
         busy.result()
+        copier.join()

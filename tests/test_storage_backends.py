@@ -7,6 +7,7 @@ many ranged GETs. Faults come from a real HTTP proxy between the client and the 
 
 from __future__ import annotations
 
+import inspect
 import random
 import sys
 import threading
@@ -44,8 +45,20 @@ def irregular(data: bytes) -> Iterator[Any]:
 
 
 class TestEveryBackend:
-    def test_is_a_storage(self, backend: Storage) -> None:
+    def test_implements_every_method_of_the_protocol_with_its_parameters(
+        self, backend: Storage
+    ) -> None:
+        """``isinstance`` against a runtime-checkable Protocol checks names only: compare each
+        method's parameters (names, kinds, defaults) with the protocol's."""
         assert isinstance(backend, Storage)
+
+        def params(fn: Any) -> list[tuple[str, Any, Any]]:
+            return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+        methods = [n for n, v in vars(Storage).items() if callable(v) and not n.startswith("_")]
+        assert {"write_file", "put_atomic", "read_bytes", "read_ranges", "remove"} <= set(methods)
+        for name in methods:
+            assert params(getattr(type(backend), name)) == params(getattr(Storage, name)), name
 
     def test_multi_part_object_round_trips_bit_exact(self, backend: Storage) -> None:
         data = payload(10 * PART + 12345)
