@@ -29,6 +29,13 @@ from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX, Local, describe, local_name
 
 LAYOUT_NAMES = list(LAYOUTS)
+# Loading targets of the default run: one of each kind of destination (plain, flat ZeRO-3
+# buffers, flat buffers under TP with partial overlaps, column-major TP, TP x PP x ZeRO-3,
+# DTensor); every source is loaded into each. The other targets are `slow` (.ci/run runs them).
+DEFAULT_TARGETS = {"single", "dp2_zero3", "tp2_dp2_zero1", "dp2_tp2_col_major",
+                   "tp2_pp2_dp2_zero3", "dtensor_dp3"}
+TARGETS = [pytest.param(n, marks=() if n in DEFAULT_TARGETS else pytest.mark.slow)
+           for n in LAYOUT_NAMES]
 RUN_TIMEOUT_S = 150.0  # one multi-process run (a save, or a target loading every checkpoint)
 PG_TIMEOUT_S = 30.0  # one collective: a rank that failed mid-load stalls the others this long
 MAX_REPORTED = 40  # problem lines shown per failing test
@@ -381,7 +388,7 @@ def test_save_commits_and_leaves_the_state_untouched(layout_name: str, saves: Sa
     assert problems == [], f"{layout_name}:\n" + "\n".join(problems[:MAX_REPORTED])
 
 
-@pytest.mark.parametrize("target", LAYOUT_NAMES)
+@pytest.mark.parametrize("target", TARGETS)
 def test_every_saved_layout_loads_bit_exact_with_padding_untouched_into(
     target: str, saves: Saves
 ) -> None:

@@ -170,7 +170,8 @@ def read_latest(bucket: S3Bucket) -> str:
 # ----------------------------------------------------------------------------- save / load
 
 
-@pytest.mark.parametrize("single_put_parts", [1, 8], ids=["multipart", "single-put"])
+@pytest.mark.parametrize("single_put_parts", [
+    1, pytest.param(8, marks=pytest.mark.slow)], ids=["multipart", "single-put"])
 def test_twenty_cycles_under_ten_percent_faults_commit_and_load_bit_exact(
     s3_bucket: S3Bucket, proxy: FaultProxy, single_put_parts: int
 ) -> None:
@@ -269,7 +270,8 @@ def _save_requests(s3_bucket: S3Bucket, proxy: FaultProxy, ck: ckptd.Checkpointe
     return seen
 
 
-@pytest.mark.parametrize("single_put_parts", [1, 8], ids=["multipart", "single-put"])
+@pytest.mark.parametrize("single_put_parts", [
+    1, pytest.param(8, marks=pytest.mark.slow)], ids=["multipart", "single-put"])
 @pytest.mark.parametrize(
     ("point", "kind", "failing_object"),
     [
