@@ -113,8 +113,12 @@ class Tunables:
     local_hold_bytes: int = 64 << 20
     # Offline reshard: a replicated target piece of at most this many bytes is written into the
     # files of every target rank that holds it (each rank then reads one contiguous range);
-    # larger ones are written once, by the holder with the fewest bytes so far.
+    # larger ones are written once, by the holder with the fewest bytes so far. The extra
+    # copies together stay within ``replicate_max_share`` of the checkpoint's bytes (at 1024
+    # ranks, a 1 MiB norm written by each would be 1 GiB): the smallest boxes are replicated
+    # first, the rest written once.
     replicate_small_bytes: int = 1 << 20
+    replicate_max_share: float = 0.01
 
 
 _current = Tunables()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import ckptd
@@ -90,3 +91,25 @@ def test_reshard_of_an_fsdp2_checkpoint_to_many_ranks_costs_its_bytes(tmp_path, 
             assert torch.equal(dst["model"][n].local, want["model"][n].local), n
             got_state, want_state = dst["optim"]["state"][n], want["optim"]["state"][n]
             assert torch.equal(got_state["exp_avg_sq"].local, want_state["exp_avg_sq"].local), n
+
+
+@pytest.mark.parametrize("flags", [["--zero", "0"], ["--tp", "2", "--zero", "0"]],
+                         ids=["replicated", "tp2-replicated"])
+def test_a_layout_that_replicates_writes_each_byte_about_once(tmp_path, capsys, flags):
+    """Every target rank holds the whole model (ZeRO 0): the small tensors are copied into
+    each rank's files only while the copies stay within 1 % of the bytes; the rest is written
+    once, so 64 target ranks cost ~the checkpoint's bytes, not 64 x."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    _save(src)
+    source_bytes = catalog.read_manifest(LocalStorage(src), 7).nbytes
+    assert main(["reshard", src, "--to-world", "64", *flags, "--out", out, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    written = sum(r["write_bytes"] for r in report["ranks"])
+    assert source_bytes <= written <= 1.01 * source_bytes, (written, source_bytes)
+    full = _full()
+    dst = _state({n: torch.zeros_like(t) for n, t in full.items()}, 1, 2)
+    with ckptd.Checkpointer(out, rank=1, world_size=2, run_id="reader", read_only=True) as c:
+        c.load(dst)
+    want = _state(full, 1, 2)
+    for n in full:
+        assert torch.equal(dst["model"][n].local, want["model"][n].local), n

@@ -6,7 +6,8 @@ model code. Each target rank's pieces are written into its own data files, back 
 (name, box) order, which is also the order its load reads them: a restart then reads one
 contiguous range per file instead of a slice of every saved chunk. A box held by several target
 ranks is written by each of them when it is small (``replicate_small_bytes``: norms, biases) and
-once, by the least-loaded holder, otherwise.
+the extra copies stay within ``replicate_max_share`` (1 %) of the checkpoint's bytes; otherwise
+once, by the least-loaded holder. Bytes written are at most 1.01 x the checkpoint's.
 
 Work and memory: target ranks are processed by ``workers`` threads; each fills an arena of at
 most ``budget / (2 * workers)`` bytes (a rank with more data takes several rounds, one file
@@ -76,9 +77,14 @@ class RankReport:
         return dict(vars(self))
 
 
-def split_writers(assignment: Assignment, replicate_small: int) -> list[RankPlan]:
+def split_writers(assignment: Assignment, replicate_small: int,
+                  max_share: float | None = None) -> list[RankPlan]:
     """Who writes what: unique boxes by their holder; replicated ones (the same box on several
-    ranks) by every holder when small, else by the holder with the fewest bytes so far."""
+    ranks) by every holder when small and while the extra copies stay within ``max_share`` of
+    the distinct bytes (smallest first), else once, by the holder with the fewest bytes so far.
+    So the bytes written are at most ``1 + max_share`` times the checkpoint's."""
+    if max_share is None:
+        max_share = config.get().replicate_max_share
     holders: dict[tuple[str, Any], list[int]] = {}
     target: dict[tuple[str, Any], Target] = {}
     for r, targets in enumerate(assignment.ranks):
@@ -91,9 +97,12 @@ def split_writers(assignment: Assignment, replicate_small: int) -> list[RankPlan
     writes: list[list[Target]] = [[] for _ in assignment.ranks]
     load = [0] * len(assignment.ranks)
     shared = []
-    for k, rs in holders.items():
-        t = target[k]
-        if len(rs) == 1 or t.nbytes <= replicate_small:
+    room = max_share * sum(t.nbytes for t in target.values())  # bytes of extra copies allowed
+    for k in sorted(holders, key=lambda k: (target[k].nbytes, k[0], k[1].offsets)):
+        t, rs = target[k], holders[k]
+        extra = (len(rs) - 1) * t.nbytes
+        if len(rs) == 1 or (t.nbytes <= replicate_small and extra <= room):
+            room -= extra
             for r in rs:
                 writes[r].append(t)
                 load[r] += t.nbytes
@@ -103,6 +112,9 @@ def split_writers(assignment: Assignment, replicate_small: int) -> list[RankPlan
         owner = min(holders[k], key=lambda r: (load[r], r))
         writes[owner].append(target[k])
         load[owner] += target[k].nbytes
+    order = {k: i for i, k in enumerate(holders)}  # the assignment's (name, box) order
+    for w in writes:
+        w.sort(key=lambda t: order[(t.name, t.box)])
     return [RankPlan(r, holds, writes[r]) for r, holds in enumerate(assignment.ranks)]
 
 
