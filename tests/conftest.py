@@ -104,11 +104,11 @@ class S3Bucket:
         return s3_options(endpoint_url or self.server.endpoint_url)
 
     def storage(self, endpoint_url: str | None = None, **transfer: Any) -> Any:
-        """An FsspecStorage on the root, tuned for tests (see :func:`fast_transfer`)."""
-        from ckptd.storage.fsspec_backend import FsspecStorage
+        """An S3Storage on the root, tuned for tests (see :func:`fast_transfer`)."""
+        from ckptd.storage.s3_storage import S3Storage
 
         options = self.options(endpoint_url)
-        return FsspecStorage(self.url, options, transfer=fast_transfer(**transfer))
+        return S3Storage(self.url, options, transfer=fast_transfer(**transfer))
 
     def client(self) -> Any:
         """A boto3 client straight to moto (no proxy), to check what the server holds."""
@@ -143,7 +143,7 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Itera
 
 def fast_transfer(**changes: Any) -> Any:
     """S3 tuning for tests: tiny parts, and retries that back off in milliseconds."""
-    from ckptd.storage.fsspec_backend import S3Transfer
+    from ckptd.storage.s3_transfer import S3Transfer
 
     base: dict[str, Any] = dict(
         part_bytes=TEST_PART_BYTES, concurrency=4, max_attempts=6, base_delay_s=0.002,

@@ -20,7 +20,8 @@ from fault_proxy import FaultProxy, Request
 
 from ckptd.errors import StorageError
 from ckptd.storage.base import Storage
-from ckptd.storage.fsspec_backend import FsspecStorage, S3Transfer
+from ckptd.storage.s3_storage import S3Storage
+from ckptd.storage.s3_transfer import S3Transfer
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -203,7 +204,7 @@ def is_upload_part(req: Request) -> bool:
 
 class TestS3:
     def test_url_is_the_root_and_keys_sit_under_the_prefix(self, s3_bucket: S3Bucket) -> None:
-        storage = FsspecStorage(s3_bucket.url + "/", s3_bucket.storage_options)
+        storage = S3Storage(s3_bucket.url + "/", s3_bucket.storage_options)
         assert storage.url == "s3://ckptd-test/run"
         storage.put_atomic("latest", b"7")
         assert keys(s3_bucket) == ["run/latest"]
@@ -290,7 +291,7 @@ class TestS3:
     ) -> None:
         monkeypatch.setenv("CKPTD_S3_PART_BYTES", str(8 << 20))
         monkeypatch.setenv("CKPTD_S3_MAX_DELAY_S", "2.5")
-        storage = FsspecStorage("memory://env-test")
+        storage = S3Storage("s3://env-test/run")  # no request is made until it is used
         assert storage.transfer == S3Transfer(part_bytes=8 << 20, max_delay_s=2.5)
 
     def test_part_size_doubles_every_thousand_parts(self) -> None:
@@ -426,7 +427,7 @@ class TestS3:
         options["config_kwargs"] = {"read_timeout": 0.3}  # passes through to botocore
         transfer = S3Transfer(part_bytes=PART, read_part_bytes=PART, max_attempts=8,
                               base_delay_s=0.001)
-        storage = FsspecStorage(s3_bucket.url, options, transfer=transfer)
+        storage = S3Storage(s3_bucket.url, options, transfer=transfer)
         proxy.stall(0.5, seconds=30.0)
         start = time.monotonic()
         got = storage.read_ranges("slow.bin", [(i * PART, PART) for i in range(6)])
@@ -439,7 +440,7 @@ class TestS3:
     ) -> None:
         monkeypatch.setitem(sys.modules, "s3fs", None)
         with pytest.raises(ImportError, match=r"pip install 'ckptd\[s3\]'"):
-            FsspecStorage("s3://bucket/x", {})
+            S3Storage("s3://bucket/x", {})
 
     def test_transfer_settings_are_validated(self) -> None:
         with pytest.raises(ValueError, match="must be positive"):

@@ -48,12 +48,12 @@ from ckptd.storage.s3_write import (
 )
 
 if TYPE_CHECKING:
-    from ckptd.storage.fsspec_backend import S3Transfer
+    from ckptd.storage.s3_transfer import S3Transfer
 
 T = TypeVar("T")
 
 class S3Objects:
-    """The S3 side of :class:`ckptd.storage.fsspec_backend.FsspecStorage` (keys, not paths)."""
+    """The S3 calls of :class:`ckptd.storage.s3_storage.S3Storage` (keys, not paths)."""
 
     def __init__(self, fs: Any, bucket: str, transfer: S3Transfer) -> None:
         self._fs = fs

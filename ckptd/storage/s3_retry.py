@@ -21,7 +21,7 @@ import aiohttp
 import botocore.exceptions
 
 if TYPE_CHECKING:
-    from ckptd.storage.fsspec_backend import S3Transfer
+    from ckptd.storage.s3_transfer import S3Transfer
 
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _RETRY_CODES = frozenset(
