@@ -1,12 +1,13 @@
 """Parallel host-memory copies for staging (the copy the caller of ``save_async`` waits for).
 
-A second thread raises the copy bandwidth well above one thread's (``benchmarks/save.py``
-floors); during the stall the caller's thread is blocked anyway, so staging uses up to
-``config.stage_threads`` threads. Copies are cut into segments of ``SEGMENT`` bytes
-that the caller and the helper threads take from one shared list. The caller waits only for
-segments in flight, never for a helper to be scheduled: on a busy host where no helper gets a
-core, the caller copies everything itself (torch's ``copy_`` instead splits every call over its
-intra-op threads and waits for all of them, which made staging 3-15x slower on a loaded host).
+A second thread raises the copy bandwidth over one thread's when a core is free
+(``benchmarks/save.py`` floors); during the stall the caller's thread is blocked anyway, so
+staging uses up to ``config.stage_threads`` threads. Copies are cut into segments of
+``SEGMENT`` bytes that the caller and the helper threads take from one shared list. The caller
+waits only for segments in flight, never for a helper to be scheduled: on a busy host where no
+helper gets a core, the caller copies everything itself (torch's ``copy_`` instead splits every
+call over its intra-op threads and waits for all of them, which made staging 3-15x slower on a
+loaded host).
 ``ctypes.memmove`` releases the GIL, so the threads copy in parallel.
 """
 
