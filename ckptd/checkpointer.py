@@ -1,6 +1,6 @@
 """The Checkpointer: the face of one root for one rank — its configuration, ``describe``,
 the hand-off of saves to the save path (:class:`ckptd.writer.save.Saver`) and loading
-(:func:`ckptd.reshard.load.load_into`). No collectives happen after ``__init__`` on the save
+(:class:`ckptd.reshard.committed.Reader`). No collectives happen after ``__init__`` on the save
 path.
 """
 
@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from ckptd.world import agree_run_id, dist_or_none, resolve_world
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
 from ckptd.writer.signals import Signals
+from ckptd.writer.staging import StagingPool
 
 log = logging.getLogger("ckptd")
 
@@ -113,18 +115,19 @@ class Checkpointer:
         staging buffers and I/O threads. A committed step is immutable: saving its number again
         fails (on every rank) unless ``overwrite=True``.
         """
+        started = time.perf_counter()
         saver = self._writer()
         saver.raise_pending()
         step = self._next_step(state, step)
         described = describe(state, self.rank, self.world_size)
         handle = saver.save_async(described, step, overlap=overlap, training=training,
-                                  urgent=urgent, overwrite=overwrite)
+                                  urgent=urgent, overwrite=overwrite, started=started)
         self._last_step = step
         return handle
 
     @property
-    def pool(self) -> Any:
-        """The staging memory of this rank's saves (a ``StagingPool``)."""
+    def pool(self) -> StagingPool:
+        """The staging memory of this rank's saves."""
         return self._writer().pool
 
     def _writer(self) -> Saver:

@@ -179,6 +179,19 @@ def open_read(storage: Storage, paths: Sequence[str]) -> ReadSession:
     return native(paths) if native is not None else _RangeSession(storage, paths)
 
 
+def relative(url: str, path: str) -> str:
+    """``path`` if it is a relative path without ``..`` (what every backend accepts)."""
+    if path.startswith("/") or ".." in path.split("/"):
+        raise ValueError(f"{url}: paths are relative, without '..': {path!r}")
+    return path
+
+
+def check_ranges(where: str, ranges: Sequence[tuple[int, int]]) -> None:
+    for offset, length in ranges:
+        if offset < 0 or length < 0:
+            raise ValueError(f"{where}: bad range {offset}+{length}")
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 

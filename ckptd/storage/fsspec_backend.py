@@ -18,7 +18,7 @@ import fsspec
 
 from ckptd import config
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer
+from ckptd.storage.base import Buffer, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 
 __all__ = ["FsspecStorage"]
@@ -48,9 +48,7 @@ class FsspecStorage:
 
     def _path(self, path: str) -> str:
         """The backend's own path (S3: the key) of ``path`` under the root."""
-        if path.startswith("/") or ".." in path.split("/"):
-            raise ValueError(f"{self.url}: paths are relative, without '..': {path!r}")
-        return posixpath.join(self._root, path).rstrip("/")
+        return posixpath.join(self._root, relative(self.url, path)).rstrip("/")
 
     def _url(self, path: str) -> str:
         return f"{self.url}/{path}" if path else self.url
@@ -90,9 +88,7 @@ class FsspecStorage:
     def read_ranges(
         self, path: str, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes] | list[bytearray]:
-        for offset, length in ranges:
-            if offset < 0 or length < 0:
-                raise ValueError(f"{self._url(path)}: bad range {offset}+{length}")
+        check_ranges(self._url(path), ranges)
         full = self._path(path)
         out: list[bytes] = []
         for offset, length in ranges:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptd import config
-from ckptd.storage.base import Buffer, join
+from ckptd.storage.base import Buffer, check_ranges, join, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS, S3Transfer
 
 
@@ -57,9 +57,7 @@ class S3Storage:
 
     def _key(self, path: str) -> str:
         """The object key of ``path`` under the root."""
-        if path.startswith("/") or ".." in path.split("/"):
-            raise ValueError(f"{self.url}: paths are relative, without '..': {path!r}")
-        return join(self._root, path)
+        return join(self._root, relative(self.url, path))
 
     # -- the Storage protocol --------------------------------------------------------------
 
@@ -75,9 +73,7 @@ class S3Storage:
     def read_ranges(
         self, path: str, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes] | list[bytearray]:
-        for offset, length in ranges:
-            if offset < 0 or length < 0:
-                raise ValueError(f"{self.url}/{path}: bad range {offset}+{length}")
+        check_ranges(f"{self.url}/{path}", ranges)
         return self._objects.read_ranges(self._key(path), ranges)
 
     def size(self, path: str) -> int:

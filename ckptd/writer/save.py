@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -102,13 +101,13 @@ class Saver:
         self.options = options
         self.auto = AutoCodec(options.threads) if options.compression == "auto" else None
         self.codec, level = codecs.parse_compression(None if self.auto else options.compression)
-        self.pool = StagingPool(max(1, options.max_inflight))
+        self.max_inflight = max(1, options.max_inflight)
+        self.pool = StagingPool(self.max_inflight)
         self.signals = signals
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._writer = RankWriter(storage, io, self.pool, self.codec, level)
         self._handles: list[SaveHandle] = []
         self._seq = 0
-        self._lock = threading.Lock()
         self.generation = 0
         if options.rank == 0:
             self.generation = commit.claim(storage, options.run_id)
@@ -123,19 +122,22 @@ class Saver:
         training: dict[str, Any] | None = None,
         urgent: bool = False,
         overwrite: bool = False,
+        started: float | None = None,
     ) -> SaveHandle:
         """Plan and stage ``described`` for ``step`` (unless ``overlap``) and hand the rest to
-        the save thread. A failure before the hand-off fails the handle and is raised here."""
+        the save thread. A failure before the hand-off fails the handle and is raised here.
+        ``started``: ``time.perf_counter()`` when the caller's save began (the stall counts
+        from there: describing the state is part of it)."""
         opts = self.options
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
         self.raise_pending()
         inflight = [h for h in self._handles if not h.done()]
-        if len(inflight) >= max(1, opts.max_inflight):
+        if len(inflight) >= self.max_inflight:
             if opts.on_busy == "skip":
                 log.warning("ckptd: step %d skipped: %d save(s) still in flight",
                             step, len(inflight))
                 return SkippedHandle(step, self.storage.url)
-            for h in inflight[: len(inflight) - max(1, opts.max_inflight) + 1]:
+            for h in inflight[: len(inflight) - self.max_inflight + 1]:
                 h.wait_done()
             self.raise_pending()
         self._seq += 1
