@@ -76,3 +76,14 @@ def test_import_ckptd_imports_no_torch_until_used():
     code = ("import sys, ckptd, ckptd.cli; assert 'torch' not in sys.modules, 'torch'; "
             "ckptd.Shard; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_lazy_name_is_never_hidden_by_its_submodule_of_the_same_name():
+    """``ckptd.manifest.merge`` is both a function and the module it lives in: loading another
+    name of that module first (``find_hole``) must not leave the package's ``merge`` the module."""
+    import subprocess
+    import sys
+
+    code = ("from ckptd.manifest import find_hole; from ckptd.manifest import merge; "
+            "assert callable(merge), merge")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -45,9 +45,13 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptd.manifest' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    loaded = importlib.import_module(module)
+    # every name of that module at once: importing ckptd.manifest.merge sets this package's
+    # attribute "merge" to the submodule, which would hide the function of that name
+    for export, where in _EXPORTS.items():
+        if where == module:
+            globals()[export] = getattr(loaded, export)
+    return globals()[name]
 
 
 if TYPE_CHECKING:
