@@ -118,8 +118,8 @@ class BlockCache:
     """A :class:`ReadSession` that keeps the last ``capacity`` bytes it fetched, in aligned
     blocks, so that readers asking for neighbouring slices of the same frames (the target ranks
     of an offline reshard, each a thin slice of every tensor) fetch each block from storage
-    about once. ``fetched`` counts the bytes that came from storage. Thread-safe; two threads
-    missing the same block at once may both fetch it."""
+    about once. ``fetched`` counts the bytes that came from storage. Thread-safe: a block that
+    one thread is fetching is waited for by the others, not fetched again."""
 
     fills_buffers = True
 
@@ -130,25 +130,36 @@ class BlockCache:
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], threading.Event] = {}
 
     def _get(self, path: str, index: int) -> bytes:
         key = (path, index)
-        with self._lock:
-            data = self._blocks.get(key)
-            if data is not None:
-                self._blocks.move_to_end(key)
-                return data
-        start = index * self.block
-        size = self.sizes.get(path)
-        length = self.block if size is None else max(0, min(self.block, size - start))
-        data = bytes(self.inner.read(path, start, length)) if length else b""
-        with self._lock:
-            self.fetched += len(data)
-            if key not in self._blocks:
+        while True:
+            with self._lock:
+                data = self._blocks.get(key)
+                if data is not None:
+                    self._blocks.move_to_end(key)
+                    return data
+                fetching = self._pending.get(key)
+                if fetching is None:  # this thread fetches it; others asking meanwhile wait
+                    fetching = self._pending[key] = threading.Event()
+                    break
+            fetching.wait()  # then take it from the cache (or fetch it, if evicted already)
+        try:
+            start = index * self.block
+            size = self.sizes.get(path)
+            length = self.block if size is None else max(0, min(self.block, size - start))
+            data = bytes(self.inner.read(path, start, length)) if length else b""
+            with self._lock:
+                self.fetched += len(data)
                 self._blocks[key] = data
                 self._held += len(data)
-            while self._held > self.capacity and self._blocks:
-                self._held -= len(self._blocks.popitem(last=False)[1])
+                while self._held > self.capacity and self._blocks:
+                    self._held -= len(self._blocks.popitem(last=False)[1])
+        finally:
+            with self._lock:
+                del self._pending[key]
+            fetching.set()
         return data
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
