@@ -19,7 +19,7 @@ import pytest
 from fault_proxy import FaultProxy, Request
 
 from ckptd.errors import StorageError
-from ckptd.storage.base import Storage
+from ckptd.storage.base import Storage, StorageBase, extended
 from ckptd.storage.s3_storage import S3Storage
 from ckptd.storage.s3_transfer import S3Transfer
 
@@ -60,6 +60,17 @@ class TestEveryBackend:
         assert {"write_file", "put_atomic", "read_bytes", "read_ranges", "remove"} <= set(methods)
         for name in methods:
             assert params(getattr(type(backend), name)) == params(getattr(Storage, name)), name
+        # the optional methods too, as StorageBase declares them
+        assert isinstance(backend, StorageBase)
+        optional = [n for n, v in vars(StorageBase).items()
+                    if callable(v) and not n.startswith("_") and n not in methods]
+        assert {"open_read", "append_text", "incomplete_uploads",
+                "abort_incomplete_uploads"} <= set(optional)
+        for name in optional:
+            assert params(getattr(type(backend), name)) == params(getattr(StorageBase, name)), name
+        first, longest = backend.poll_interval_s
+        assert 0 < first <= longest
+
 
     def test_multi_part_object_round_trips_bit_exact(self, backend: Storage) -> None:
         data = payload(10 * PART + 12345)
@@ -200,6 +211,87 @@ def proxy(s3_bucket: S3Bucket) -> Iterator[FaultProxy]:
 
 def is_upload_part(req: Request) -> bool:
     return req.method == "PUT" and "partNumber=" in req.path
+
+
+class DictStorage:
+    """The eight methods of the Storage protocol and nothing else, over a dict."""
+
+    url = "dict://"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def write_file(self, path: str, parts: Any) -> int:
+        data = b"".join(bytes(p) for p in parts)
+        with self.lock:
+            self.objects[path] = data
+        return len(data)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        with self.lock:
+            self.objects[path] = bytes(data)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.lock:
+            return self.objects[path] if path in self.objects else _missing(path)
+
+    def read_ranges(self, path: str, ranges: Any) -> Any:
+        data = self.read_bytes(path)
+        out = []
+        for offset, length in ranges:
+            if offset + length > len(data):
+                raise EOFError(path)
+            out.append(data[offset:offset + length])
+        return out
+
+    def size(self, path: str) -> int:
+        return len(self.read_bytes(path))
+
+    def exists(self, path: str) -> bool:
+        with self.lock:
+            return path in self.objects or any(k.startswith(path + "/") for k in self.objects)
+
+    def list_dir(self, path: str) -> list[str]:
+        base = f"{path}/" if path else ""
+        with self.lock:
+            return sorted({k[len(base):].split("/")[0] for k in self.objects
+                           if k.startswith(base)})
+
+    def remove(self, path: str) -> None:
+        with self.lock:
+            for k in [k for k in self.objects if k == path or k.startswith(path + "/")]:
+                del self.objects[k]
+
+
+def _missing(path: str) -> bytes:
+    raise FileNotFoundError(path)
+
+
+def test_a_storage_with_only_the_eight_methods_saves_loads_and_collects() -> None:
+    """A user's own backend needs only the protocol: the optional methods' defaults
+    (ranged-read sessions, read + rewrite appends, filesystem poll bounds, no uploads) carry a
+    save with metrics, a resharding load and ``gc``."""
+    import torch
+
+    from ckptd import Checkpointer
+    from ckptd.writer.retention import collect_garbage
+
+    storage = DictStorage()
+    assert isinstance(storage, Storage) and not isinstance(storage, StorageBase)
+    ext = extended(storage)
+    assert isinstance(ext, StorageBase) and ext.incomplete_uploads() == []
+    ckpt = Checkpointer("dict://", storage=storage, keep_last=0)
+    w = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    for step in (1, 2):
+        ckpt.save_async({"w": w + step}, step=step).result()
+    assert storage.objects["metrics.jsonl"].count(b"\n") == 2  # appended, not overwritten
+    got = {"w": torch.zeros(10, 100)}
+    assert Checkpointer("dict://", storage=storage).load(got, step=1).step == 1
+    assert torch.equal(got["w"], w + 1)
+    report = collect_garbage(storage, keep_last=1)
+    assert report.removed_committed == [1] and report.aborted_uploads == 0
+    assert not any(k.startswith("step-000000001") for k in storage.objects), sorted(storage.objects)
 
 
 class TestS3:

@@ -30,7 +30,7 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
-from ckptd.storage.base import BlockCache, ReadSession, open_read
+from ckptd.storage.base import BlockCache, ReadSession, extended
 
 Buf = bytearray | bytes | memoryview
 
@@ -197,7 +197,8 @@ class StepFiles:
         self.url = storage.url
         self.step_dir = step_dir
         try:
-            self.session: ReadSession = open_read(storage, [self.path(f) for f in sorted(files)])
+            self.session: ReadSession = extended(storage).open_read(
+                [self.path(f) for f in sorted(files)])
         except FileNotFoundError as e:
             raise CorruptCheckpoint(f"{e.filename or self.where('')}: data file missing") from e
         self.cache: BlockCache | None = None

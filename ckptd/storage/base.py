@@ -12,17 +12,18 @@ collapse the ``//`` of ``s3://``). A save calls, in this order::
 them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
 none (temp file + rename + directory fsync on a filesystem; a single PUT on an object store).
 
-Optional, beyond the eight methods: ``open_read(paths)`` (a :class:`ReadSession` for one load;
-:func:`open_read` gives every backend one); ``poll_interval_s``, a ``(first, longest)`` pause in
-seconds between two polls while the commit protocol waits on this storage (see
-:func:`poll_interval`); ``incomplete_uploads(prefix) -> [(path, age_s)]`` and
-``abort_incomplete_uploads(prefix, *, min_age_s) -> int`` where writes can leave invisible
-leftovers (S3 multipart uploads), for ``ckptd gc``; ``append_text`` (see :func:`append_text`).
+Beyond the eight methods of :class:`Storage`, :class:`StorageBase` declares five with a
+default that a backend overrides where it can do better: ``open_read`` (a :class:`ReadSession`
+for one load), ``append_text``, ``poll_interval_s`` (the pauses of the commit protocol's
+polling), ``incomplete_uploads`` and ``abort_incomplete_uploads`` (invisible leftovers such as
+S3 multipart uploads, for ``ckptd gc``). Every built-in backend is a :class:`StorageBase`; an
+object that has only the eight methods is given the defaults by :func:`extended`.
 """
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -184,12 +185,6 @@ class BlockCache:
         self.inner.close()
 
 
-def open_read(storage: Storage, paths: Sequence[str]) -> ReadSession:
-    """The backend's own read session (``storage.open_read``) or one over its ranged reads."""
-    native = getattr(storage, "open_read", None)
-    return native(paths) if native is not None else _RangeSession(storage, paths)
-
-
 def relative(url: str, path: str) -> str:
     """``path`` if it is a relative path without ``..`` (what every backend accepts)."""
     if path.startswith("/") or ".." in path.split("/"):
@@ -207,27 +202,103 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 
 
-def append_text(storage: Storage, path: str, text: str) -> None:
-    """Append to a log-like object: natively where the backend can, else read + rewrite."""
-    append = getattr(storage, "append_text", None)
-    if append is not None:
-        append(path, text)
-        return
-    try:
-        old = storage.read_bytes(path)
-    except FileNotFoundError:
-        old = b""
-    storage.put_atomic(path, old + text.encode())
+class StorageBase(ABC):
+    """A :class:`Storage` with the optional methods declared, each with its default."""
+
+    url: str
+
+    @abstractmethod
+    def write_file(self, path: str, parts: Iterable[Buffer]) -> int: ...
+
+    @abstractmethod
+    def put_atomic(self, path: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes: ...
+
+    @abstractmethod
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]: ...
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]: ...
+
+    @abstractmethod
+    def remove(self, path: str) -> None: ...
+
+    def open_read(self, paths: Sequence[str]) -> ReadSession:
+        """The data files of one load; by default, sizes and ranged reads."""
+        return _RangeSession(self, paths)
+
+    def append_text(self, path: str, text: str) -> None:
+        """Append to a log-like object; by default read + rewrite (one writer at a time)."""
+        try:
+            old = self.read_bytes(path)
+        except FileNotFoundError:
+            old = b""
+        self.put_atomic(path, old + text.encode())
+
+    @property
+    def poll_interval_s(self) -> tuple[float, float]:
+        """``(first, longest)`` pause in seconds between two polls while the commit protocol
+        waits on this storage; by default the filesystem bounds ``config.poll_min_s/max_s``."""
+        cfg = config.get()
+        return cfg.poll_min_s, cfg.poll_max_s
+
+    def incomplete_uploads(self, prefix: str = "") -> list[tuple[str, float]]:
+        """``(path, age_s)`` of writes under ``prefix`` that never became visible; none where
+        an unfinished write leaves nothing behind."""
+        return []
+
+    def abort_incomplete_uploads(self, prefix: str = "", *, min_age_s: float = 0.0) -> int:
+        """Drop the incomplete uploads under ``prefix`` older than ``min_age_s``; how many."""
+        return 0
+
+
+class _Extended(StorageBase):
+    """An object with only the eight :class:`Storage` methods, given the defaults."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner, self.url = inner, inner.url
+
+    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+        return self.inner.write_file(path, parts)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        self.inner.put_atomic(path, data)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(path)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]:
+        return self.inner.read_ranges(path, ranges)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        return self.inner.list_dir(path)
+
+    def remove(self, path: str) -> None:
+        self.inner.remove(path)
+
+
+def extended(storage: Storage) -> StorageBase:
+    """``storage`` with every optional method: itself for a :class:`StorageBase`."""
+    return storage if isinstance(storage, StorageBase) else _Extended(storage)
 
 
 def poll_interval(storage: Storage) -> tuple[float, float]:
-    """``(first, longest)`` pause between two polls of ``storage``: its own ``poll_interval_s``
-    hint when it has one (object stores: ``config.remote_poll_min_s/max_s``), else the
-    filesystem bounds ``config.poll_min_s/max_s``. Always positive, first <= longest."""
-    hint = getattr(storage, "poll_interval_s", None)
-    if hint is None:
-        cfg = config.get()
-        hint = (cfg.poll_min_s, cfg.poll_max_s)
-    first, longest = (float(x) for x in hint)
+    """``(first, longest)`` pause between two polls of ``storage`` (its ``poll_interval_s``):
+    always positive, first <= longest."""
+    first, longest = (float(x) for x in extended(storage).poll_interval_s)
     first = max(first, 1e-4)
     return first, max(first, longest)

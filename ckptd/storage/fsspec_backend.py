@@ -18,13 +18,13 @@ import fsspec
 
 from ckptd import config
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, check_ranges, relative
+from ckptd.storage.base import Buffer, StorageBase, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 
 __all__ = ["FsspecStorage"]
 
 
-class FsspecStorage:
+class FsspecStorage(StorageBase):
     """A checkpoint root at an fsspec URL (not S3). Thread-safe. ``storage_options`` go to
     the fsspec filesystem."""
 

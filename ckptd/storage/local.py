@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer
+from ckptd.storage.base import Buffer, StorageBase
 
 log = logging.getLogger("ckptd")
 
@@ -27,7 +27,7 @@ def _direct_eligible(parts: list[memoryview]) -> bool:
     return total >= _DIRECT_MIN and all(len(p) % _DIRECT_ALIGN == 0 for p in parts)
 
 
-class LocalStorage:
+class LocalStorage(StorageBase):
     """A directory on a POSIX filesystem (local disk, NFS, Lustre...).
 
     **Links inside the root are never followed.** Every path is opened one component at a

@@ -19,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptd import config
-from ckptd.storage.base import Buffer, check_ranges, join, relative
+from ckptd.storage.base import Buffer, StorageBase, check_ranges, join, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS, S3Transfer
 
 
-class S3Storage:
+class S3Storage(StorageBase):
     """A checkpoint root on S3 (or an S3-compatible server). Thread-safe.
 
     ``storage_options`` go to :class:`s3fs.S3FileSystem` (``key``, ``secret``,

@@ -26,6 +26,7 @@ from ckptd import config
 from ckptd.manifest import layout
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, read_owner
 from ckptd.storage import Storage
+from ckptd.storage.base import extended
 from ckptd.writer.commit import attempt_run
 
 
@@ -95,8 +96,7 @@ def collect_garbage(
     report = GcReport()
     if keep_last > 0:
         report.removed_committed = apply_retention(storage, keep_last)
-    abort = getattr(storage, "abort_incomplete_uploads", None)
-    listed = getattr(storage, "incomplete_uploads", None)
+    uploads = extended(storage)
     commits = {c.step: read_manifest(storage, c.step).attempt for c in committed(storage)}
     judge = _Judge(storage, read_owner(storage), commits)
 
@@ -104,29 +104,26 @@ def collect_garbage(
     for s in attempts:
         for sub in ("data", "ranks"):
             attempts[s].update(storage.list_dir(f"{layout.step_dir(s)}/{sub}"))
-    if listed is not None:  # an outage mid-upload can leave a step with nothing but uploads
-        for path, _age in listed(""):
-            parts = path.split("/")
-            step = layout.parse_step_dir(parts[0])
-            if step is not None and len(parts) > 2 and parts[1] == "data":
-                attempts.setdefault(step, set()).add(parts[2])
+    # an outage mid-upload can leave a step with nothing but uploads
+    for path, _age in uploads.incomplete_uploads(""):
+        parts = path.split("/")
+        step = layout.parse_step_dir(parts[0])
+        if step is not None and len(parts) > 2 and parts[1] == "data":
+            attempts.setdefault(step, set()).add(parts[2])
 
     for step in sorted(attempts):
         keep = commits.get(step)
         dead = sorted(a for a in attempts[step] if a != keep and judge.dead(step, a))
         if keep is None and len(dead) == len(attempts[step]):
-            if abort is not None:
-                report.aborted_uploads += int(abort(layout.step_dir(step), min_age_s=0.0))
+            report.aborted_uploads += uploads.abort_incomplete_uploads(layout.step_dir(step))
             storage.remove(layout.step_dir(step))
             report.removed_incomplete.append(step)
             continue
         for a in dead:
             for sub in ("data", "ranks"):
                 where = f"{layout.step_dir(step)}/{sub}/{a}"
-                if abort is not None:
-                    report.aborted_uploads += int(abort(where, min_age_s=0.0))
+                report.aborted_uploads += uploads.abort_incomplete_uploads(where)
                 storage.remove(where)
             report.removed_attempts.append(f"{layout.step_dir(step)}/{a}")
-    if abort is not None:
-        report.aborted_uploads += int(abort("", min_age_s=min_age))
+    report.aborted_uploads += uploads.abort_incomplete_uploads("", min_age_s=min_age)
     return report

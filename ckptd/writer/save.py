@@ -36,7 +36,7 @@ from ckptd.errors import CkptdError
 from ckptd.manifest import Chunk, TensorEntry, codecs, layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
-from ckptd.storage.base import append_text
+from ckptd.storage.base import extended
 from ckptd.writer import commit, retention
 from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer.files import gather
@@ -295,7 +295,7 @@ class Saver:
         log.info("ckptd save %s", json.dumps(line))
         if self.options.rank == 0:
             try:
-                append_text(self.storage, layout.METRICS, json.dumps(line) + "\n")
+                extended(self.storage).append_text(layout.METRICS, json.dumps(line) + "\n")
             except OSError as e:
                 log.warning("ckptd: could not append metrics: %s", e)
 
