@@ -16,6 +16,7 @@ import torch
 
 import ckptd
 from ckptd import config
+from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
 from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
@@ -211,6 +212,19 @@ def test_a_manifest_of_format_1_without_a_digest_still_loads(tmp_path):
     assert result.step == 3 and dst["step"] == 3
     assert torch.equal(dst["model"]["w"], torch.arange(16.0).reshape(4, 4))
     assert torch.equal(dst["model"]["b"], torch.full((4,), 0.5))
+
+
+def test_a_checkpoint_of_format_2_with_frames_inline_still_loads(tmp_path):
+    """Written by ckptd before the binary frame tables (format version 2: frames inline in the
+    JSON), two ranks, zstd-planes, kept as a fixture; it loads into one rank and verifies."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "format2")
+    dst = {"model": {"w": torch.zeros(8, 8), "b": torch.zeros(4)}, "step": -1}
+    with ckptd.Checkpointer(fixture, read_only=True) as c:
+        result = c.load(dst)
+    assert result.step == 7 and dst["step"] == 7
+    assert torch.equal(dst["model"]["w"], torch.arange(64.0).reshape(8, 8))
+    assert torch.equal(dst["model"]["b"], torch.full((4,), 0.5))
+    assert cli_main(["verify", fixture]) == 0
 
 
 # ----------------------------------------------------------------------------- links, FIFOs
