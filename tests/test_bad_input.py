@@ -12,7 +12,7 @@ import torch
 
 import ckptd
 from ckptd.manifest import layout as L
-from ckptd.manifest.envelope import seal
+from ckptd.manifest.schema import encode_doc, whole_doc
 
 
 @pytest.fixture
@@ -53,12 +53,11 @@ def _load(root, dst, step=2, strict=True):
 def _rewrite_manifest(root, fn, step=2):
     """Tamper with a manifest and seal it again with a valid digest (an adversary can do that:
     the digest guards against damage, the validation against malice)."""
-    with open(_manifest(root, step)) as f:
-        doc = json.load(f)
-    doc.pop("digest", None)
+    with open(_manifest(root, step), "rb") as f:
+        doc = whole_doc(f.read(), "test")
     fn(doc)
     with open(_manifest(root, step), "wb") as f:
-        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
+        f.write(encode_doc(doc))
 
 
 def test_missing_manifest_with_complete_partials_is_finalised_on_the_next_load(saved):

@@ -106,6 +106,48 @@ def test_replicated_pieces_are_written_once_spread_across_replicas(tmp_path):
         c.close()
 
 
+def test_a_partial_lists_what_its_rank_wrote_and_names_only_what_a_replica_wrote(tmp_path):
+    """Partials grow with a rank's writes, not with the state: the coordinator's merge then
+    costs chunks, not ranks x tensors. Every tensor held is still checked to be written."""
+    from ckptd.manifest.schema import decode
+
+    cs = _sim(str(tmp_path), 4)
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(16)}
+    for h in [c.save_async(state, step=1) for c in cs]:
+        h.result()
+    m = cs[0].read_manifest(1)
+    wrote = {r: {n for n, e in m.tensors.items() if e.chunks[0].rank == r} for r in range(4)}
+    d = tmp_path / L.partials_dir(1, m.attempt)
+    for r in range(4):
+        partial = decode((d / f"{r:05d}.json").read_bytes(), "partial")
+        assert set(partial.tensors) == wrote[r]
+        assert set(partial.holds) == set(state) - wrote[r]
+    for c in cs:
+        c.close()
+
+
+def test_a_tensor_held_by_a_rank_but_written_by_none_is_not_committed(tmp_path):
+    """Rank 1's partial is rewritten to hold a tensor that no partial wrote: the commit that
+    ckptd finalize attempts from those partials refuses it, naming tensor and rank."""
+    from ckptd.manifest.schema import decode
+    from ckptd.writer import commit
+
+    cs = _sim(str(tmp_path), 2)
+    hs = [c.save_async({"w": torch.ones(4)}, step=1) for c in cs]
+    for h in hs:
+        h.result()
+    storage = cs[0].storage
+    attempt = cs[0].read_manifest(1).attempt
+    storage.remove(L.manifest_path(1))
+    path = L.partial_path(1, attempt, 1)
+    p = decode(storage.read_bytes(path), path)
+    storage.put_atomic(path, type(p)(**{**p.__dict__, "holds": ("ghost",)}).encode())
+    with pytest.raises(ckptd.StateMismatch, match=r"ghost: held by rank 1 but saved by no rank"):
+        commit.finalize(storage, 1)
+    for c in cs:
+        c.close()
+
+
 def test_storage_failure_surfaces_once_and_latest_stays_on_previous(tmp_path):
     root = str(tmp_path)
     with ckptd.Checkpointer(root, run_id="j") as good:

@@ -281,16 +281,17 @@ def test_gc_removes_what_no_manifest_names_and_no_save_can_still_commit(tmp_path
     assert os.path.isdir(tmp_path / L.step_dir(4))
     storage = LocalStorage(root)
     named = {
-        f"{L.step_dir(s)}/{c.file}"
+        f"{L.step_dir(s)}/{f}"
         for s in (1, 2, 3)
         for t in catalog.read_manifest(storage, s).tensors.values()
         for c in t.chunks
+        for f in (c.file, c.ref.table)
     }
     report = retention.collect_garbage(storage)
     assert report.removed_incomplete == [4]
     assert [a.split("/")[0] for a in report.removed_attempts] == [L.step_dir(2)]
     left = {f for f in _files(root) if "/data/" in f}
-    assert left == named  # every data file left is one a committed manifest names
+    assert left == named  # every data file (and frame table) left is one a manifest names
     for s in (1, 2, 3):
         dst = {"w": torch.zeros(1 << 18)}
         with ckptd.Checkpointer(root, read_only=True) as r:

@@ -21,7 +21,7 @@ from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
 from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.manifest.envelope import seal
-from ckptd.manifest.schema import decode
+from ckptd.manifest.schema import decode, encode_doc, whole_doc
 from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalStorage
 
@@ -50,14 +50,12 @@ def _path(root, step=1):
     return os.path.join(root, L.manifest_path(step))
 
 
-def _tamper(root, fn, step=1, *, reseal=True):
+def _tamper(root, fn, step=1):
     with open(_path(root, step), "rb") as f:
-        doc = json.loads(f.read())
-    doc.pop("digest", None)
+        doc = whole_doc(f.read(), "test")
     fn(doc)
-    body = json.dumps(doc, separators=(",", ":")).encode()
     with open(_path(root, step), "wb") as f:
-        f.write(seal(body) if reseal else body)
+        f.write(encode_doc(doc))
 
 
 def _write_raw(root, text: bytes, step=1):
@@ -98,6 +96,31 @@ def _both_refuse(root, pattern: str) -> None:
 
 
 # ----------------------------------------------------------------------------- frame tables
+def _set_frames(root, doc, chunk, frames) -> None:
+    """Point ``chunk`` at a new, well-signed frame table slice holding ``frames`` (``[stored,
+    hex checksum]`` pairs): what an adversary who rewrites the table and the manifest can do."""
+    from ckptd.manifest.frames import FrameTable, table_file
+
+    blob, [(first, count, digest)] = table_file([FrameTable.from_json(frames)])
+    name = f"data/{doc['attempt']}/evil{len(doc['tables'])}.frames"
+    with open(os.path.join(root, L.step_dir(doc["step"]), name), "wb") as f:
+        f.write(blob)
+    doc["tables"].append(name)
+    chunk["frames"] = [len(doc["tables"]) - 1, first, count, digest]
+
+
+def _frames_of(root, doc, chunk) -> list[list]:
+    """``chunk``'s frames as ``[stored, hex checksum]`` pairs, from its table slice."""
+    from ckptd.manifest.frames import FrameRef, parse_slice
+
+    t, first, count, digest = chunk["frames"]
+    ref = FrameRef(doc["tables"][t], first, count, digest)
+    lo, n = ref.byte_range
+    with open(os.path.join(root, L.step_dir(doc["step"]), ref.table), "rb") as f:
+        f.seek(lo)
+        return parse_slice(f.read(n), ref, "test").to_json()
+
+
 def test_raw_frames_of_the_wrong_sizes_are_refused_by_load_and_verify(root):
     def uneven(doc):  # [L/4, 3L/4] with frame_bytes L/2; checksums of those very bytes
         chunk = doc["tensors"]["b"]["chunks"][0]
@@ -107,29 +130,32 @@ def test_raw_frames_of_the_wrong_sizes_are_refused_by_load_and_verify(root):
 
         first, second = data[lo : lo + n // 4], data[lo + n // 4 : lo + n]
         chunk["frame_bytes"] = n // 2
-        chunk["frames"] = [[len(first), xxhash.xxh3_64_hexdigest(first)],
-                           [len(second), xxhash.xxh3_64_hexdigest(second)]]
+        _set_frames(root, doc, chunk, [[len(first), xxhash.xxh3_64_hexdigest(first)],
+                                       [len(second), xxhash.xxh3_64_hexdigest(second)]])
 
     _tamper(root, uneven)
-    _both_refuse(root, r"manifest.json: b: malformed chunk .*raw frame 0 stores 4096 bytes for "
-                       r"8192")
+    _both_refuse(root, r"evil\d\.frames: b: malformed frame table .*raw frame 0 stores 4096 bytes "
+                       r"for 8192")
 
 
 def test_a_raw_chunk_claiming_one_frame_of_half_its_length_is_refused_before_any_copy(root):
     def half(doc):
         chunk = doc["tensors"]["b"]["chunks"][0]
         chunk["frame_bytes"] = chunk["length"]
-        chunk["frames"] = [[chunk["length"] // 2, chunk["frames"][0][1]]]
+        checksum = _frames_of(root, doc, chunk)[0][1]
+        _set_frames(root, doc, chunk, [[chunk["length"] // 2, checksum]])
 
     _tamper(root, half)
-    _both_refuse(root, r"b: malformed chunk .*raw frame 0 stores 8192 bytes for 16384")
+    _both_refuse(root, r"b: malformed frame table .*raw frame 0 stores 8192 bytes for 16384")
 
 
 def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root):
     def compressed_and_huge(doc):  # zstd frames may be larger than raw; not past the file
         chunk = doc["tensors"]["a"]["chunks"][0]
         chunk["codec"] = "zstd"
-        chunk["frames"][-1][0] = 2 * 4096 + 4096  # the largest stored size allowed
+        frames = _frames_of(root, doc, chunk)
+        frames[-1][0] = 2 * 4096 + 4096  # the largest stored size allowed
+        _set_frames(root, doc, chunk, frames)
         chunk["offset"] = (1 << 40)  # a terabyte into a 32 KiB file
 
     _tamper(root, compressed_and_huge)
@@ -150,7 +176,6 @@ def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root)
         ("offset", 1 << 63, r"outside \[0, 4611686018427387904\]"),
         ("offset", -16, r"-16 is outside"),
         ("frame_bytes", 1 << 62, r"frames for 16384 bytes"),
-        ("frames", [[1 << 62, "0" * 16]] * 4, r"outside \[1, 12288\]"),
         ("file", "data/x\u0000y.bin", r"escapes the checkpoint directory"),
         ("box", [[0], [-4]], r"-4 is outside"),
     ],
@@ -158,6 +183,16 @@ def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root)
 def test_absurd_numbers_and_names_are_corrupt_checkpoints(root, field, value, reason):
     _tamper(root, lambda d: d["tensors"]["a"]["chunks"][0].update({field: value}))
     _both_refuse(root, reason)
+
+
+def test_absurd_frame_sizes_are_corrupt_checkpoints(root):
+    def huge(doc):
+        chunk = doc["tensors"]["a"]["chunks"][0]
+        chunk["codec"] = "zstd"
+        _set_frames(root, doc, chunk, [[1 << 62, "0" * 16]] * 4)
+
+    _tamper(root, huge)
+    _both_refuse(root, r"a: malformed frame table .*outside \[1, 12288\]")
 
 
 @pytest.mark.parametrize(

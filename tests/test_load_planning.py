@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import ckptd
 from ckptd import config
-from ckptd.manifest import Chunk, Frame, Manifest, TensorEntry
+from ckptd.manifest import Chunk, FrameTable, Manifest, TensorEntry
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.reshard.load import last_stats
@@ -70,7 +70,7 @@ def test_a_column_slice_of_long_rows_skips_the_frames_in_between() -> None:
 
 # --- coalescing --------------------------------------------------------------------------------
 def _chunk(file: str, offset: int, n: int) -> Chunk:
-    return Chunk(Box((0,), (n,)), file, offset, n, "raw", n, (Frame(n, "0"),), 0)
+    return Chunk(Box((0,), (n,)), file, offset, n, "raw", n, FrameTable.of([(n, 0)]), 0)
 
 
 def _read(file: str, offset: int, n: int) -> Read:
@@ -123,8 +123,9 @@ def test_a_slice_of_a_compressed_chunk_reads_and_decodes_only_its_frames(tmp_pat
     with config.override(frame_bytes=4096):
         _save(root, {"w": w}, compression="zstd")
     with ckptd.Checkpointer(root) as ck:
-        chunk = ck.read_manifest(1).tensors["w"].chunks[0]
-        assert chunk.codec == "zstd-planes" and len(chunk.frames) == 16
+        m = ck.read_manifest(1)
+        chunk = m.with_frames([("w", m.tensors["w"].chunks[0])])[0]
+        assert chunk.codec == "zstd-planes" and chunk.n_frames == 16
         dst = torch.zeros(20, 64)  # rows 40..59: frames 2 and 3
         res = ck.load({"w": ckptd.Shard(dst, (256, 64), (40, 0))})
     assert torch.equal(dst, w[40:60])
@@ -265,7 +266,7 @@ def test_a_corrupt_frame_found_in_the_verify_pass_leaves_the_destination_untouch
 
 
 def test_plan_reads_each_element_once_from_overlapping_copies() -> None:
-    frames = (Frame(64, "0"),)
+    frames = FrameTable.of([(64, 0)])
     chunks = (Chunk(Box((0,), (16,)), "data/a", 0, 64, "raw", 64, frames, 0),
               Chunk(Box((8,), (16,)), "data/b", 0, 64, "raw", 64, frames, 1))
     m = Manifest(1, "a-1", 2, 0.0, {"t": TensorEntry(torch.float32, (24,), chunks)})
@@ -327,6 +328,52 @@ def test_read_once_reads_a_replicated_tensor_on_one_rank_and_ranks_agree_on_erro
     assert all(g["error"].startswith("load aborted on every rank: rank 2 failed")
                for g in got[:2])
     assert [g["untouched"] for g in got] == [True] * 3
+
+
+# --- each rank decodes only the manifest entries it asks for -------------------------------
+def _subset_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank r asks for tensors t{r}, t{r+3}, ... (strict=False: the others are someone else's)."""
+    mine = {f"t{i}": torch.zeros(1000) for i in range(rank, 12, world)}
+    with ckptd.Checkpointer(root) as ck:
+        result = ck.load(mine, strict=False)
+    return {"decoded": result.tensors_decoded, "frames": result.frames_read,
+            "ok": all(torch.equal(t, torch.full((1000,), float(int(n[1:]))))
+                      for n, t in mine.items())}
+
+
+def test_ranks_asking_for_disjoint_subsets_each_decode_only_their_own_entries(
+    tmp_path: Any
+) -> None:
+    """Twelve tensors, each one chunk of ten frames; three ranks ask for four each: each
+    parses four tensors' chunks and reads forty frames from the frame tables, not twelve and
+    a hundred and twenty (what was read, not how long it took)."""
+    root = str(tmp_path)
+    with config.override(frame_bytes=400, min_frame_bytes=400):
+        _save(root, {f"t{i}": torch.full((1000,), float(i)) for i in range(12)})
+    got = multirank.run(_subset_worker, 3, root, timeout=120, pg_timeout=30)
+    assert [g["ok"] for g in got] == [True] * 3
+    assert [g["decoded"] for g in got] == [4, 4, 4]
+    assert [g["frames"] for g in got] == [40, 40, 40]
+
+
+def _strict_worker(rank: int, world: int, root: str) -> str:
+    mine = {f"t{i}": torch.zeros(1000) for i in range(rank, 12, world) if i != 7}
+    with ckptd.Checkpointer(root) as ck:
+        try:
+            ck.load(mine)
+            return ""
+        except ckptd.StateMismatch as e:
+            return str(e)
+
+
+def test_the_strict_check_over_ranks_names_what_no_rank_asked_for(tmp_path: Any) -> None:
+    """strict=True over three ranks that each ask for a third: the union is checked (one OR of
+    a byte per saved tensor), so only t7, which nobody asked for, is named, on every rank."""
+    root = str(tmp_path)
+    _save(root, {f"t{i}": torch.full((1000,), float(i)) for i in range(12)})
+    got = multirank.run(_strict_worker, 3, root, timeout=120, pg_timeout=30)
+    assert all("t7: saved but not in the destination state" in g for g in got), got
+    assert all("t1:" not in g and "t2:" not in g for g in got), got
 
 
 # --- the copy pass reads whole frames straight into the destination --------------------------

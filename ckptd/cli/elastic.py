@@ -118,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             meta = TrainingMeta.from_json(dict(doc.get("training", {})), args.source)
             model, previous, policy = meta.model, meta.reference, meta.policy
         except NotElastic:
-            shapes = {n: tuple(t["shape"]) for n, t in doc["tensors"].items()}
+            shapes = catalog.doc_shapes(doc)
             model = infer_model(shapes)
             saved_world = int(doc["world_size"])
             print(f"{storage.url}/{layout.step_dir(step)} has no elastic metadata: model inferred "
@@ -186,7 +186,7 @@ def step_rows(storage: Storage) -> list[dict[str, Any]]:
         spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
         out.append({
             "step": c.step, "world_size": int(doc["world_size"]),
-            "nbytes": sum(int(k["length"]) for t in doc["tensors"].values() for k in t["chunks"]),
+            "nbytes": catalog.doc_nbytes(doc),
             "created": float(doc["created"]),
             "micro_batch_size": spec.get("micro_batch_size"),
             "gradient_accumulation_steps": spec.get("gradient_accumulation_steps"),

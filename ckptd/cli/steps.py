@@ -59,10 +59,10 @@ def _row(storage: Storage, step: int) -> dict[str, Any]:
     path = f"{storage.url}/{layout.manifest_path(step)}"
     try:
         doc = catalog.read_doc(storage, step)
-        chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
         return {"step": step, "state": "committed", "world_size": int(doc["world_size"]),
-                "nbytes": sum(int(c["length"]) for c in chunks),
-                "tensors": len(doc["tensors"]), "generation": int(doc.get("generation", 0)),
+                "nbytes": catalog.doc_nbytes(doc),
+                "tensors": len(catalog.doc_shapes(doc)),
+                "generation": int(doc.get("generation", 0)),
                 "created": time.strftime("%Y-%m-%d %H:%M:%S",
                                          time.localtime(float(doc["created"]))),
                 "problem": None}

@@ -32,7 +32,7 @@ from ckptd.manifest import Chunk, TensorEntry, codecs, dtype_name, layout
 from ckptd.sharding import Piece
 from ckptd.storage import open_storage
 from ckptd.writer import commit
-from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, stage
+from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, stage, stored_bytes
 from ckptd.writer.staging import StagingPool
 
 
@@ -138,7 +138,7 @@ def import_dcp(
         step,
         len(declared),
         len(values),
-        sum(sum(f.stored for f in c.frames) for _, c in chunks),
+        stored_bytes(chunks),
         skipped,
     )
 

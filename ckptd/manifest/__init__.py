@@ -1,7 +1,7 @@
 """The on-disk format: the manifest's schema (``schema``), its envelope (digest, size limit,
-strict JSON: ``envelope``), frame codecs and checksums (``codecs``), merging rank partials and
-the coverage check (``merge``), where things live under a root (``layout``) and the step catalog
-(``catalog``).
+strict JSON: ``envelope``), frame tables (``frames``), frame codecs and checksums (``codecs``),
+merging rank partials and the coverage check (``merge``), where things live under a root
+(``layout``) and the step catalog (``catalog``).
 
 Names are imported on first use: the catalog and the envelope need no torch, so ``ckptd ls``
 starts without importing it.
@@ -16,7 +16,9 @@ _EXPORTS = {
     "CHECKSUM": "ckptd.manifest.schema",
     "VERSION": "ckptd.manifest.envelope",
     "Chunk": "ckptd.manifest.schema",
-    "Frame": "ckptd.manifest.schema",
+    "Frame": "ckptd.manifest.frames",
+    "FrameRef": "ckptd.manifest.frames",
+    "FrameTable": "ckptd.manifest.frames",
     "Manifest": "ckptd.manifest.schema",
     "TensorEntry": "ckptd.manifest.schema",
     "decode": "ckptd.manifest.schema",
@@ -30,6 +32,8 @@ __all__ = [
     "CHECKSUM",
     "Chunk",
     "Frame",
+    "FrameRef",
+    "FrameTable",
     "Manifest",
     "TensorEntry",
     "VERSION",
@@ -56,11 +60,11 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from ckptd.manifest.envelope import VERSION
+    from ckptd.manifest.frames import Frame, FrameRef, FrameTable
     from ckptd.manifest.merge import find_hole, merge
     from ckptd.manifest.schema import (
         CHECKSUM,
         Chunk,
-        Frame,
         Manifest,
         TensorEntry,
         decode,

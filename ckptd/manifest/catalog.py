@@ -82,15 +82,32 @@ def read_raw(storage: Storage, step: int) -> bytes:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
+    from ckptd.manifest.frames import FrameSource
     from ckptd.manifest.schema import decode  # torch: only what loads tensors needs it
 
     raw = read_raw(storage, step)
-    return decode(raw, f"{storage.url}/{layout.manifest_path(step)}")
+    return decode(raw, f"{storage.url}/{layout.manifest_path(step)}",
+                  FrameSource(storage, layout.step_dir(step),
+                              f"{storage.url}/{layout.step_dir(step)}"))
 
 
 def read_doc(storage: Storage, step: int) -> dict[str, Any]:
     """The manifest as checked JSON (size, digest, format; no tensors decoded, no torch)."""
     return open_doc(read_raw(storage, step), f"{storage.url}/{layout.manifest_path(step)}")
+
+
+def doc_shapes(doc: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's global shape, from a manifest's head (format 3: its index)."""
+    if "index" in doc:
+        return {n: tuple(e[1]) for n, e in doc["index"].items()}
+    return {n: tuple(t["shape"]) for n, t in doc["tensors"].items()}
+
+
+def doc_nbytes(doc: dict[str, Any]) -> int:
+    """The bytes of every chunk (raw, replicas included), from a manifest's head."""
+    if "index" in doc:
+        return int(doc["nbytes"])
+    return sum(int(c["length"]) for t in doc["tensors"].values() for c in t["chunks"])
 
 
 def committed(storage: Storage) -> list[Committed]:

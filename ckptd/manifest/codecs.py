@@ -33,6 +33,11 @@ def checksum(data: Buffer) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_int(data: Buffer) -> int:
+    """:func:`checksum` as the integer a frame table stores."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 _local = threading.local()
 
 

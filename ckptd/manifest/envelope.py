@@ -22,8 +22,10 @@ from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 
 FORMAT = "ckptd"
-# 1: JSON; 2: the same, sealed with a digest of its own bytes (1 still loads)
-VERSION = 2
+# 1: JSON; 2: the same, sealed with a digest of its own bytes; 3: frame sizes and checksums in
+# binary tables beside the data, and an index that lets a reader parse only the tensors it
+# needs (1 and 2 still load)
+VERSION = 3
 
 # A manifest's digest covers its own bytes: ``{"digest":"xxh3_64:<16 hex>",...}`` hashed with the
 # 16 hex digits set to "0". It sits at a fixed place so a reader checks it before it parses
@@ -32,6 +34,15 @@ _DIGEST_HEAD = b'{"digest":"xxh3_64:'
 _DIGEST_END = len(_DIGEST_HEAD) + 16
 _ZEROS = b"0" * 16
 MAX_INT = 1 << 62  # sizes, offsets and counts: above this no file or tensor is real
+# Format 3: right after the digest, ``"tail":"<16 hex>",`` gives the length of the file's tail,
+# ``,"tensors":{...}}`` (every tensor's chunks); the head before it is parsed alone.
+_TAIL_HEAD = b'"tail":"'
+TENSORS_KEY = b',"tensors":'
+
+
+def tail_field(tail_bytes: int) -> bytes:
+    """The start of a format-3 body (before :func:`seal`): ``{"tail":"<16 hex>",``."""
+    return b"{" + _TAIL_HEAD + f"{tail_bytes:016x}".encode() + b'",'
 
 
 def seal(body: bytes) -> bytes:
@@ -77,7 +88,14 @@ def parse_json(raw: bytes, where: str) -> Any:
 
 
 def open_doc(raw: bytes, where: str) -> dict[str, Any]:
-    """The manifest's JSON object, once its size, digest, format and version are checked."""
+    """The manifest's JSON object (in format 3 its head: everything but the tensors' chunks),
+    once its size, digest, format and version are checked."""
+    return split_doc(raw, where)[0]
+
+
+def split_doc(raw: bytes, where: str) -> tuple[dict[str, Any], int | None]:
+    """:func:`open_doc`, and in format 3 where the tensors object starts in ``raw`` (None
+    before: the document holds them)."""
     limit = config.get().max_manifest_bytes
     if len(raw) > limit:
         raise CorruptCheckpoint(
@@ -85,7 +103,20 @@ def open_doc(raw: bytes, where: str) -> dict[str, Any]:
             "(ckptd.config max_manifest_bytes, CKPTD_MAX_MANIFEST_BYTES)"
         )
     sealed = unseal(raw, where)
-    doc = parse_json(raw, where)
+    tail_at: int | None = None
+    at = _DIGEST_END + 2
+    if sealed and raw[at : at + len(_TAIL_HEAD)] == _TAIL_HEAD:
+        digits = raw[at + len(_TAIL_HEAD) : at + len(_TAIL_HEAD) + 16]
+        try:
+            cut = len(raw) - int(digits, 16)
+        except ValueError:
+            raise CorruptCheckpoint(f"{where}: malformed tail length {digits!r}") from None
+        if not (at < cut and raw.startswith(TENSORS_KEY + b"{", cut) and raw.endswith(b"}}")):
+            raise CorruptCheckpoint(f"{where}: the tail length does not point at the tensors")
+        doc = parse_json(raw[:cut] + b"}", where)
+        tail_at = cut + len(TENSORS_KEY)
+    else:
+        doc = parse_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a ckptd manifest (no 'format': 'ckptd')")
     version = doc.get("version")
@@ -98,4 +129,7 @@ def open_doc(raw: bytes, where: str) -> dict[str, Any]:
         )
     if version >= 2 and not sealed:
         raise CorruptCheckpoint(f"{where}: format version {version} without its digest")
-    return doc
+    if (version >= 3) != (tail_at is not None):
+        raise CorruptCheckpoint(f"{where}: format version {version} with"
+                                f"{'out' if tail_at is None else ''} a tensor index")
+    return doc, tail_at

@@ -10,6 +10,7 @@
     ROOT/step-000000042/ranks/<attempt>/FAILED          the coordinator gave up (reason inside)
     ROOT/step-000000042/ranks/<attempt>/00003.failed    rank 3 could not do its share (why)
     ROOT/step-000000042/data/<attempt>/r00003-0.bin     rank 3's first data file
+    ROOT/step-000000042/data/<attempt>/r00003.frames    rank 3's frame table (format 3)
 
 Data and partials live under the save *attempt* id, so two attempts at the same step (a retry,
 a straggler of an earlier world, another job) never write the same file.
@@ -75,3 +76,8 @@ def parse_rank_failure(name: str) -> int:
 def data_file(attempt: str, rank: int, index: int) -> str:
     """Relative to the step directory (that is how manifests name data files)."""
     return f"data/{attempt}/r{rank:05d}-{index}.bin"
+
+
+def frame_table(attempt: str, rank: int) -> str:
+    """Relative to the step directory, like :func:`data_file`."""
+    return f"data/{attempt}/r{rank:05d}.frames"

@@ -1,8 +1,11 @@
 """Merging the partial manifests of one save attempt into the step's manifest.
 
 Runs in the coordinator, in the background, with no collectives: the partials on storage are the
-only input. Checks that ranks agree on every logical tensor's dtype and global shape and that
-every element is covered by at least one chunk (a hole names the tensor and the missing box).
+only input. A partial lists the chunks its rank wrote and, by name only, the tensors it holds
+that a replica wrote; so merging costs what the ranks wrote, not ranks × tensors. Checks that
+the ranks that wrote a tensor agree on its dtype and global shape, that every tensor a rank
+holds was written, and that every element is covered by at least one chunk (a hole names the
+tensor and the missing box).
 Chunks with identical boxes are kept once (the lowest rank's); partially overlapping chunks are
 all kept (``ckptd verify`` checks that the copies agree).
 """
@@ -52,6 +55,13 @@ def merge(partials: Sequence[Manifest]) -> Manifest:
                 if c.box not in seen[name]:
                     seen[name].add(c.box)
                     chunks[name].append(c)
+    for p in partials:
+        unwritten = [n for n in p.holds if n not in tensors]
+        if unwritten:
+            raise StateMismatch(
+                f"{unwritten[0]}: held by rank {p.rank} but saved by no rank (check the leaves' "
+                "replica/replicas)"
+            )
     for name, entry in tensors.items():
         hole = find_hole(Box.whole(entry.shape), [c.box for c in chunks[name]])
         if hole is not None:

@@ -28,13 +28,17 @@ SOURCE_PLUGINS = "ckptd.sources"  # entry-point group of the load(source=...) re
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a load filled the state from: the step, its URL, the bytes read, and the step's
-    ``training`` metadata."""
+    """What a load filled the state from: the step, its URL, the bytes read, the step's
+    ``training`` metadata, and how much of the manifest this rank decoded."""
 
     step: int
     url: str
     nbytes_read: int
     training: dict[str, Any]
+    # the manifest's metadata this rank decoded (format 3): tensors whose chunks it parsed,
+    # frames it read from the frame tables
+    tensors_decoded: int = 0
+    frames_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,9 @@ class Reader:
                            rank=self.rank, world_size=self.world_size, strict=strict,
                            pool=self.pool)
         url = f"{self.storage.url}/{layout.step_dir(step)}"
-        return LoadResult(step, url, nbytes, dict(manifest.training))
+        frames = manifest.frames.fetched_frames if manifest.frames is not None else 0
+        return LoadResult(step, url, nbytes, dict(manifest.training),
+                          tensors_decoded=len(manifest.decoded), frames_read=frames)
 
     def load_named(self, described: Described, step: int, strict: bool) -> LoadResult:
         try:

@@ -97,7 +97,7 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
     lo, hi = run
     fb = chunk.frame_bytes
     f0 = -(-lo * isz // fb)
-    f1 = len(chunk.frames) if hi * isz == chunk.length else hi * isz // fb
+    f1 = chunk.n_frames if hi * isz == chunk.length else hi * isz // fb
     if f0 >= f1:
         return None
     flat = dst.detach().reshape(-1).view(torch.uint8)
@@ -111,7 +111,7 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
     rest = []
     if f0 * fb > lo * isz:
         rest += _sub_pieces(c, lo, f0 * fb // isz)
-    if f1 < len(chunk.frames) and f1 * fb < hi * isz:
+    if f1 < chunk.n_frames and f1 * fb < hi * isz:
         rest += _sub_pieces(c, f1 * fb // isz, hi)
     return reads, rest
 
@@ -126,14 +126,15 @@ def _read_one(files: StepFiles, d: DirectRead) -> None:
     except EOFError as e:
         raise CorruptCheckpoint(f"{where}: {d.tensor}: data file truncated ({e})") from e
     pos = 0
+    table = d.chunk.table
     for i in range(d.frame_lo, d.frame_hi):
-        frame = d.chunk.frames[i]
-        if codecs.checksum(mem[pos : pos + frame.stored]) != frame.checksum:
+        size = int(table.stored[i])
+        if codecs.checksum_int(mem[pos : pos + size]) != int(table.checksums[i]):
             raise CorruptCheckpoint(
                 f"{where}: {d.tensor}: checksum mismatch in frame {i} of the chunk at byte "
                 f"{d.chunk.offset} (box {d.chunk.box.to_json()}); it was verified before: the "
                 "checkpoint changed during the load, whose destination is partially written")
-        pos += frame.stored
+        pos += size
 
 
 def fill(files: StepFiles, manifest: Manifest, ranges: list[Range],

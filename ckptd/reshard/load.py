@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
@@ -100,17 +102,34 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
             if key not in manifest.values:
                 problems.append(f"{key}: value missing from the checkpoint")
     asked = {p.name for p in described.pieces if not p.name.startswith(f"{LOCAL_PREFIX}/")}
-    gathered = gather_object((sorted(asked), problems))
-    problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
-                for r, (_, probs) in enumerate(gathered) for msg in probs]
-    if strict and (len(gathered) > 1 or world_size == 1):
-        everyone = set().union(*(set(names) for names, _ in gathered))
-        unasked = sorted(n for n in manifest.tensors
-                         if n not in everyone and not n.startswith(f"{LOCAL_PREFIX}/"))
-        problems += [f"{n}: saved but not in the destination state (strict=True)" for n in unasked]
+    saved = sorted(n for n in manifest.tensors if not n.startswith(f"{LOCAL_PREFIX}/"))
+    wanted, anyone_failed, ranks = _union_of_asks(saved, asked, bool(problems))
+    if anyone_failed:
+        gathered = gather_object(problems)
+        problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
+                    for r, probs in enumerate(gathered) for msg in probs]
+    if strict and (ranks > 1 or world_size == 1):
+        problems += [f"{n}: saved but not in the destination state (strict=True)"
+                     for n, w in zip(saved, wanted, strict=True) if not w]
     if problems:
         raise StateMismatch(f"step {manifest.step}: {_summary(problems)}")
     return pieces
+
+
+def _union_of_asks(saved: list[str], asked: set[str], failed: bool,
+                   ) -> tuple[list[bool], bool, int]:
+    """For each of ``saved`` (the same list on every rank), whether any rank asks for it;
+    whether any rank found a problem; the number of ranks. One all-reduce of a byte per saved
+    tensor: O(T) per rank, where gathering every rank's names cost O(W·T) each."""
+    dist = dist_or_none()
+    mine = [n in asked for n in saved]
+    if dist is None or dist.get_world_size() == 1:
+        return mine, failed, 1
+
+    mask = torch.tensor([*mine, failed], dtype=torch.uint8)
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+    flags = [bool(x) for x in mask.tolist()]
+    return flags[:-1], flags[-1], dist.get_world_size()
 
 
 def gap_bytes(storage: Storage) -> int:

@@ -227,10 +227,12 @@ def plan_load(manifest: Manifest, pieces: Sequence[Piece], *, rank: int | None =
                 nxt.extend(r.subtract(inter))
             remaining = nxt
     reads: list[Read] = []
-    for (name, ci), items in needs.items():
+    keys = list(needs)
+    chunks = manifest.with_frames([(n, manifest.tensors[n].chunks[ci]) for n, ci in keys])
+    for (name, _ci), chunk in zip(keys, chunks, strict=True):
+        items = needs[(name, _ci)]
         entry = manifest.tensors[name]
-        reads += _chunk_reads(name, entry.chunks[ci], itemsize_of(entry.dtype), items,
-                              unit_bytes)
+        reads += _chunk_reads(name, chunk, itemsize_of(entry.dtype), items, unit_bytes)
         plan.needed_bytes += sum(inter.numel for _, inter in items) * itemsize_of(entry.dtype)
     plan.ranges = coalesce(reads, gap_bytes, unit_bytes)
     return plan
@@ -243,15 +245,14 @@ def _chunk_reads(name: str, chunk: Chunk, itemsize: int, items: list[tuple[Piece
     intervals = merge_intervals([iv for _, inter in items
                                  for iv in frame_intervals(inter, chunk.box, itemsize, fb)])
     per = max(1, unit_bytes // fb)
-    prefix = [0]
-    for f in chunk.frames:
-        prefix.append(prefix[-1] + f.stored)
+    assert chunk.frames is not None
+    prefix = chunk.frames.ends()
     reads: list[Read] = []
     for lo, hi in intervals:
         for a in range(lo, hi, per):
             b = min(hi, a + per)
-            reads.append(Read(name, chunk, itemsize, a, b, chunk.offset + prefix[a],
-                              prefix[b] - prefix[a]))
+            reads.append(Read(name, chunk, itemsize, a, b, chunk.offset + int(prefix[a]),
+                              int(prefix[b] - prefix[a])))
     for read in reads:
         first = read.raw_start // itemsize
         boxes, cursor = [], 0

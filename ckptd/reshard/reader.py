@@ -164,11 +164,12 @@ def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | Non
     if read.compressed and out is None:
         out = bytearray(read.raw_length)
     pos = raw_pos = 0
+    table = chunk.table
     for i in range(read.frame_lo, read.frame_hi):
-        frame = chunk.frames[i]
-        data = stored[pos : pos + frame.stored]
-        pos += frame.stored
-        if codecs.checksum(data) != frame.checksum:
+        size = int(table.stored[i])
+        data = stored[pos : pos + size]
+        pos += size
+        if codecs.checksum_int(data) != int(table.checksums[i]):
             raise CorruptCheckpoint(
                 f"{where}: {read.tensor}: checksum mismatch in frame {i} of the chunk at byte "
                 f"{chunk.offset} (box {chunk.box.to_json()})")

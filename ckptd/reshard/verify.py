@@ -37,14 +37,16 @@ class VerifyReport:
 
 
 def whole_chunk_reads(name: str, chunk: Chunk, itemsize: int, unit_bytes: int) -> list[Read]:
-    """Every frame of ``chunk``, in reads of at most ``unit_bytes`` raw bytes."""
+    """Every frame of ``chunk`` (its frames loaded), in reads of at most ``unit_bytes`` raw
+    bytes."""
+    assert chunk.frames is not None
     per = max(1, unit_bytes // chunk.frame_bytes)
-    out, pos = [], chunk.offset
+    ends = chunk.frames.ends()
+    out = []
     for a in range(0, len(chunk.frames), per):
         b = min(len(chunk.frames), a + per)
-        length = sum(f.stored for f in chunk.frames[a:b])
-        out.append(Read(name, chunk, itemsize, a, b, pos, length))
-        pos += length
+        out.append(Read(name, chunk, itemsize, a, b, chunk.offset + int(ends[a]),
+                        int(ends[b] - ends[a])))
     return out
 
 
@@ -55,7 +57,8 @@ def verify(storage: Storage, step_dir: str, manifest: Manifest, pool: ThreadPool
     report = VerifyReport()
     unit = Buffers(config.get().load_budget_bytes).unit
     reads: list[Read] = []
-    for name, entry in sorted(manifest.tensors.items()):
+    entries = _with_frames(manifest, report)
+    for name, entry in entries.items():
         report.tensors += 1
         hole = find_hole(Box.whole(entry.shape), [c.box for c in entry.chunks])
         if hole is not None:
@@ -71,10 +74,40 @@ def verify(storage: Storage, step_dir: str, manifest: Manifest, pool: ThreadPool
         return report
     with files:
         bad_chunks = _check_ranges(files, ranges, pool, report, progress)
-        report.chunks = sum(len(e.chunks) for e in manifest.tensors.values()) - len(bad_chunks)
-        for name, entry in sorted(manifest.tensors.items()):
+        report.chunks = sum(len(e.chunks) for e in entries.values()) - len(bad_chunks)
+        for name, entry in entries.items():
             _check_copies(files, name, entry, bad_chunks, pool, report, progress)
     return report
+
+
+def _with_frames(manifest: Manifest, report: VerifyReport) -> dict[str, TensorEntry]:
+    """Every tensor with its chunks' frames read (all tables at once; when that fails, tensor
+    by tensor). A tensor whose chunks or frame table slices are damaged is reported, counted
+    and left out; the rest is still verified."""
+    groups: dict[str, list[Chunk]] = {}
+    for n in sorted(manifest.tensors):
+        try:
+            groups[n] = list(manifest.tensors[n].chunks)
+        except CkptdError as e:
+            report.problems.append(str(e))
+            report.tensors += 1
+    items = [(n, c) for n, cs in groups.items() for c in cs]
+    try:
+        chunks = manifest.with_frames(items)
+        for n in groups:
+            groups[n] = []
+        for (n, _), c in zip(items, chunks, strict=True):
+            groups[n].append(c)
+    except CkptdError:
+        for n in list(groups):
+            try:
+                groups[n] = manifest.with_frames([(n, c) for c in groups[n]])
+            except CkptdError as e:
+                report.problems.append(str(e))
+                report.tensors += 1
+                del groups[n]
+    return {n: TensorEntry(manifest.tensors[n].dtype, manifest.tensors[n].shape, tuple(cs))
+            for n, cs in groups.items()}
 
 
 def _check_ranges(files: StepFiles, ranges: list[Range], pool: ThreadPoolExecutor,

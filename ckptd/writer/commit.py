@@ -22,11 +22,13 @@ import logging
 import random
 import time
 from dataclasses import replace
+from typing import Any
 
 from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
+from ckptd.manifest.envelope import open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.writer.signals import Signals
@@ -162,15 +164,15 @@ def commit(
     path = layout.manifest_path(step)
     if not overwrite:
         try:
-            old: Manifest | None = decode(storage.read_bytes(path), path)
+            old: Any = open_doc(storage.read_bytes(path), path).get("attempt")
         except FileNotFoundError:
             old = None
         except CorruptCheckpoint:  # a damaged commit is still a commit: do not replace it
-            old = manifest
-        if old is not None and old.attempt != manifest.attempt:
+            old = manifest.attempt
+        if old is not None and old != manifest.attempt:
             raise CkptdError(
                 f"{storage.url}/{layout.step_dir(step)}: step {step} is already committed (attempt "
-                f"{old.attempt}); a committed step is immutable: save another step number, or "
+                f"{old}); a committed step is immutable: save another step number, or "
                 "pass overwrite=True to replace it"
             )
     storage.put_atomic(path, manifest.encode())
@@ -252,10 +254,11 @@ def wait_committed(
         if signals.committed(attempt):
             return
         try:  # one GET (not exists + GET: on an object store `exists` costs up to two requests)
-            m: Manifest | None = decode(storage.read_bytes(path), path)
+            # the head alone: which attempt was committed, not what it holds
+            committed_attempt = open_doc(storage.read_bytes(path), path).get("attempt")
         except (FileNotFoundError, CorruptCheckpoint):
-            m = None  # not yet, or replaced under our feet by retention/another commit
-        if m is not None and m.attempt == attempt:
+            committed_attempt = None  # not yet, or replaced by retention/another commit
+        if committed_attempt == attempt:
             return
         error = _failure(storage, step, attempt, signals)
         if error is not None:

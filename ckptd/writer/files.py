@@ -8,7 +8,7 @@ from concurrent.futures import Future
 import torch
 
 from ckptd import config
-from ckptd.manifest import Chunk, Frame, codecs
+from ckptd.manifest import Chunk, FrameTable, codecs
 from ckptd.regions import Box
 from ckptd.storage import Storage
 from ckptd.storage.base import Buffer
@@ -53,7 +53,7 @@ def write_file(
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
             fb = frame_size(s.nbytes, s.piece.view.element_size(), frame_bytes)
-            frames = tuple(Frame(len(f), codecs.checksum(f)) for f in _frames_of(raw, fb))
+            frames = FrameTable.of([(len(f), codecs.checksum_int(f)) for f in _frames_of(raw, fb)])
             chunks.append(
                 (
                     s.piece.name,
@@ -79,17 +79,18 @@ def write_file(
         itemsize = s.piece.view.element_size()
         fb = frame_size(s.nbytes, itemsize, frame_bytes)
         start = cursor
-        encoded: list[Frame] = []
+        encoded: list[tuple[int, int]] = []
         for f in _frames_of(raw, fb):
             stored = codecs.encode(f, codec, itemsize, level)
-            encoded.append(Frame(len(stored), codecs.checksum(stored)))
+            encoded.append((len(stored), codecs.checksum_int(stored)))
             parts.append(stored)
             cursor += len(stored)
         chunks.append(
             (
                 s.piece.name,
                 _chunk(
-                    s.piece.box, rel_path, start, s.nbytes, codec, fb, tuple(encoded), rank
+                    s.piece.box, rel_path, start, s.nbytes, codec, fb, FrameTable.of(encoded),
+                    rank,
                 ),
             )
         )
@@ -104,7 +105,7 @@ def _chunk(
     length: int,
     codec: str,
     frame_bytes: int,
-    frames: tuple[Frame, ...],
+    frames: FrameTable,
     rank: int,
 ) -> Chunk:
     return Chunk(

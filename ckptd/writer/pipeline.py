@@ -12,7 +12,9 @@ background.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +25,8 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError, CorruptCheckpoint
-from ckptd.manifest import Chunk, Manifest, TensorEntry, layout
+from ckptd.manifest import Chunk, FrameRef, Manifest, TensorEntry, layout
+from ckptd.manifest.frames import table_file
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -196,16 +199,26 @@ class RankWriter:
         )
 
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
-        by_name: dict[str, list[Chunk]] = {}
-        for name, c in chunks:
-            by_name.setdefault(name, []).append(c)
-        unknown = set(by_name) - set(share.declared)
+        """The rank's frame table, then its partial manifest (which names slices of it)."""
+        unknown = {name for name, _ in chunks} - set(share.declared)
         if unknown:
             raise CkptdError(f"chunks written for undeclared tensors {sorted(unknown)}")
+        table = layout.frame_table(share.attempt, share.rank)
+        blob, refs = table_file([c.frames for _, c in chunks if c.frames is not None])
+        if len(refs) != len(chunks):
+            raise CkptdError("a chunk without frames cannot be written")
+        self.storage.write_file(f"{layout.step_dir(share.step)}/{table}", [blob])
+        by_name: dict[str, list[Chunk]] = {}
+        for (name, c), (first, count, digest) in zip(chunks, refs, strict=True):
+            by_name.setdefault(name, []).append(
+                dataclasses.replace(c, ref=FrameRef(table, first, count, digest)))
+        # what it wrote, in full; what it holds but a replica wrote, by name (the coordinator
+        # checks that some rank wrote it): a partial grows with the rank's writes
         tensors = {
             n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
-            for n, e in share.declared.items()
+            for n, e in share.declared.items() if n in by_name or not math.prod(e.shape)
         }
+        holds = tuple(sorted(n for n in share.declared if n not in tensors))
         partial = Manifest(
             share.step,
             share.attempt,
@@ -216,6 +229,7 @@ class RankWriter:
             {str(share.rank): share.locals} if share.locals else {},
             share.training,
             rank=share.rank,
+            holds=holds,
         )
         self.storage.put_atomic(
             layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
@@ -246,8 +260,9 @@ class RankWriter:
 
     def discard(self, share: Share, files: int) -> None:
         """Best effort: a failed save should not keep holding space (a full disk)."""
-        for i in range(files):
-            path = f"{layout.step_dir(share.step)}/{layout.data_file(share.attempt, share.rank, i)}"
+        names = [layout.data_file(share.attempt, share.rank, i) for i in range(files)]
+        for name in [*names, layout.frame_table(share.attempt, share.rank)]:
+            path = f"{layout.step_dir(share.step)}/{name}"
             try:
                 self.storage.remove(path)
             except OSError as e:
@@ -255,7 +270,7 @@ class RankWriter:
 
 
 def stored_bytes(chunks: list[tuple[str, Chunk]]) -> int:
-    return sum(sum(f.stored for f in c.frames) for _, c in chunks)
+    return sum(c.frames.total for _, c in chunks if c.frames is not None)
 
 
 def n_files(rounds: list[Round]) -> int:

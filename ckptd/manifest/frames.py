@@ -1,0 +1,213 @@
+"""Frame tables: the stored size and checksum of every frame, as fixed-width integers.
+
+A frame costs 16 bytes here — a little-endian ``uint64`` stored size and ``uint64`` xxh3
+checksum — instead of a JSON pair and a Python object each: a 70B model at a thousand ranks has
+over a million frames, and every rank used to decode all of them after every save and load.
+
+Since format version 3 each rank writes one table file per save attempt,
+``data/<attempt>/r<rank>.frames``: a 16-byte header (:data:`MAGIC`, then the frame count) and
+the frames of all its chunks, chunk after chunk. A chunk in the manifest names its slice of a
+table by ``[table, first, count, digest]``; the digest (xxh3 of the slice's bytes) lets a
+reader fetch and check only the slices of the chunks it reads. No torch here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, overload
+
+import numpy as np
+import xxhash
+
+from ckptd.errors import CorruptCheckpoint
+
+if TYPE_CHECKING:
+    from ckptd.storage.base import Storage
+
+MAGIC = b"CKPTDFT1"
+HEADER = 16  # MAGIC, then the frame count as uint64
+ENTRY = 16  # stored size, checksum: two little-endian uint64
+_DTYPE = np.dtype("<u8")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame: its stored bytes and the checksum of those bytes (16 hex digits)."""
+
+    stored: int
+    checksum: str
+
+
+class FrameTable:
+    """The frames of one chunk (or a slice of them): ``stored`` and ``checksums`` arrays."""
+
+    __slots__ = ("stored", "checksums", "_ends")
+
+    def __init__(self, stored: np.ndarray, checksums: np.ndarray) -> None:
+        self.stored = stored.astype(np.uint64, copy=False)
+        self.checksums = checksums.astype(np.uint64, copy=False)
+        self._ends: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, frames: Sequence[tuple[int, int]]) -> FrameTable:
+        """From ``(stored, checksum)`` pairs (checksums as integers)."""
+        arr = np.array(frames, dtype=np.uint64).reshape(-1, 2)
+        return cls(arr[:, 0].copy(), arr[:, 1].copy())
+
+    @classmethod
+    def from_json(cls, pairs: Sequence[tuple[int, str]]) -> FrameTable:
+        """From format 1/2's inline ``[stored, "hex"]`` pairs (already validated)."""
+        return cls.of([(s, int(h, 16)) for s, h in pairs])
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+    @overload
+    def __getitem__(self, i: int) -> Frame: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> FrameTable: ...
+
+    def __getitem__(self, i: int | slice) -> Frame | FrameTable:
+        if isinstance(i, slice):
+            return FrameTable(self.stored[i], self.checksums[i])
+        return Frame(int(self.stored[i]), f"{int(self.checksums[i]):016x}")
+
+    def __iter__(self) -> Iterator[Frame]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, FrameTable) and np.array_equal(self.stored, other.stored)
+                and np.array_equal(self.checksums, other.checksums))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FrameTable({len(self)} frames, {self.total} bytes)"
+
+    @property
+    def total(self) -> int:
+        """Stored bytes of all the frames."""
+        return int(self.stored.sum()) if len(self) else 0
+
+    def ends(self) -> np.ndarray:
+        """``ends[i]``: stored bytes of frames ``[0, i)``; ``len + 1`` entries (int64)."""
+        if self._ends is None:
+            out = np.zeros(len(self) + 1, dtype=np.int64)
+            np.cumsum(self.stored, out=out[1:])
+            self._ends = out
+        return self._ends
+
+    def to_bytes(self) -> bytes:
+        return np.stack([self.stored, self.checksums], axis=1).astype(_DTYPE).tobytes()
+
+    def to_json(self) -> list[list[int | str]]:
+        return [[f.stored, f.checksum] for f in self]
+
+
+@dataclass(frozen=True)
+class FrameRef:
+    """A chunk's slice of a rank's table file: frames ``[first, first + count)``."""
+
+    table: str  # the table file, relative to the step directory
+    first: int
+    count: int
+    digest: str  # xxh3 of the slice's bytes, 16 hex digits
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return HEADER + self.first * ENTRY, self.count * ENTRY
+
+
+def table_file(tables: Sequence[FrameTable]) -> tuple[bytes, list[tuple[int, int, str]]]:
+    """A table file holding ``tables`` one after another, and each one's ``(first, count,
+    digest)``."""
+    parts, refs, first = [], [], 0
+    for t in tables:
+        body = t.to_bytes()
+        parts.append(body)
+        refs.append((first, len(t), xxhash.xxh3_64_hexdigest(body)))
+        first += len(t)
+    return MAGIC + np.array([first], dtype=_DTYPE).tobytes() + b"".join(parts), refs
+
+
+def parse_slice(raw: bytes | bytearray | memoryview, ref: FrameRef, where: str) -> FrameTable:
+    """The frames of ``ref`` from its bytes in the table file, once their digest matches."""
+    if len(raw) != ref.count * ENTRY:
+        raise CorruptCheckpoint(f"{where}: frame table slice of {len(raw)} bytes, expected "
+                                f"{ref.count} frames of {ENTRY}")
+    if xxhash.xxh3_64_hexdigest(raw) != ref.digest:
+        raise CorruptCheckpoint(f"{where}: frame table slice at frame {ref.first} does not "
+                                "match its digest (damaged or edited)")
+    arr = np.frombuffer(raw, dtype=_DTYPE).reshape(-1, 2)
+    return FrameTable(arr[:, 0], arr[:, 1])
+
+
+def check_sizes(table: FrameTable, length: int, frame_bytes: int, raw: bool) -> str | None:
+    """Why ``table`` cannot be the frames of a chunk of ``length`` raw bytes in frames of
+    ``frame_bytes`` (``raw``: stored uncompressed), or None. Vectorised: no object per frame."""
+    n = len(table)
+    if n != -(-length // frame_bytes):
+        return f"{n} frames for {length} bytes in frames of {frame_bytes}"
+    if n == 0:
+        return None
+    raw_len = np.full(n, frame_bytes, dtype=np.int64)
+    raw_len[-1] = length - (n - 1) * frame_bytes
+    huge = np.nonzero(table.stored > np.uint64(1 << 62))[0]
+    if len(huge):
+        return f"frame {int(huge[0])} stores {int(table.stored[huge[0]])} bytes"
+    stored = table.stored.astype(np.int64)
+    if raw:
+        bad = np.nonzero(stored != raw_len)[0]
+        if len(bad):
+            i = int(bad[0])
+            return f"raw frame {i} stores {int(table.stored[i])} bytes for {int(raw_len[i])}"
+    bad = np.nonzero((stored == 0) | (stored > 2 * raw_len + 4096))[0]
+    if len(bad):
+        i = int(bad[0])
+        return (f"frame {i} stores {int(stored[i])} bytes, outside "
+                f"[1, {int(2 * raw_len[i] + 4096)}]")
+    return None
+
+
+class FrameSource:
+    """Where a decoded manifest's frame tables are: ``storage``, under ``step_dir``. Reads the
+    slices of the chunks a reader asks for, one request per table file, each slice checked
+    against its digest and its chunk, and keeps them (a load plans some pieces twice)."""
+
+    def __init__(self, storage: Storage, step_dir: str, where: str) -> None:
+        self.storage, self.step_dir, self.where = storage, step_dir, where
+        self.fetched_frames = 0  # frames read from table files (tests: a load reads its own)
+        self._cache: dict[FrameRef, FrameTable] = {}
+        self._lock = threading.Lock()
+
+    def tables(self, refs: Sequence[tuple[str, FrameRef]]) -> list[FrameTable]:
+        """The frames of each ``(tensor, ref)``, in order."""
+        with self._lock:
+            missing = [(n, r) for n, r in refs if r not in self._cache]
+        by_table: dict[str, list[tuple[str, FrameRef]]] = {}
+        for n, r in dict.fromkeys(missing):
+            by_table.setdefault(r.table, []).append((n, r))
+        for table, items in sorted(by_table.items()):
+            path = f"{self.step_dir}/{table}"
+            where = f"{self.where}/{table}"
+            try:
+                head, *bodies = self.storage.read_ranges(
+                    path, [(0, HEADER)] + [r.byte_range for _, r in items])
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{where}: {items[0][0]}: frame table missing") from None
+            except EOFError as e:
+                raise CorruptCheckpoint(
+                    f"{where}: {items[0][0]}: frame table truncated ({e})") from None
+            if bytes(head[:8]) != MAGIC:
+                raise CorruptCheckpoint(f"{where}: not a ckptd frame table")
+            got = {}
+            for (name, ref), body in zip(items, bodies, strict=True):
+                got[ref] = parse_slice(body, ref, f"{where}: {name}")
+            with self._lock:
+                self._cache.update(got)
+                self.fetched_frames += sum(len(t) for t in got.values())
+        with self._lock:
+            return [self._cache[r] for _, r in refs]
