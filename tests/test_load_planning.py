@@ -22,7 +22,14 @@ from ckptd.manifest import Chunk, FrameTable, Manifest, TensorEntry
 from ckptd.manifest import layout as L
 from ckptd.regions import Box
 from ckptd.reshard.load import last_stats
-from ckptd.reshard.plan import Read, coalesce, frame_intervals, plan_load
+from ckptd.reshard.plan import (
+    ChunkIndex,
+    Read,
+    chunk_order,
+    coalesce,
+    frame_intervals,
+    plan_load,
+)
 from ckptd.sharding import Piece
 
 
@@ -75,6 +82,28 @@ def _chunk(file: str, offset: int, n: int) -> Chunk:
 
 def _read(file: str, offset: int, n: int) -> Read:
     return Read("t", _chunk(file, offset, n), 1, 0, 1, offset, n)
+
+
+@st.composite
+def chunks_and_box(draw: st.DrawFn) -> tuple[list[Chunk], Box, int]:
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+
+    def box() -> Box:
+        offs = [draw(st.integers(0, s - 1)) for s in shape]
+        return Box(tuple(offs), tuple(draw(st.integers(0, s - o)) for s, o in zip(
+            shape, offs, strict=True)))
+
+    n = draw(st.integers(0, 40))  # below and above ChunkIndex.SMALL
+    chunks = [Chunk(box(), "f", 0, 0, "raw", 1, None, draw(st.integers(0, 3))) for _ in range(n)]
+    return chunks, box(), draw(st.integers(0, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks_and_box())
+def test_the_chunk_index_finds_exactly_the_overlapping_chunks_in_load_order(case: Any) -> None:
+    chunks, box, rank = case
+    want = [ci for ci in chunk_order(chunks, rank) if chunks[ci].box.intersect(box) is not None]
+    assert ChunkIndex(chunks, rank).overlapping(box) == want
 
 
 def test_ranges_merge_across_gaps_up_to_the_threshold_and_never_across_files() -> None:

@@ -6,6 +6,7 @@ shape, or ``torch.arange`` values whose positions say which element a view reall
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptd.errors import StateMismatch
+from ckptd.manifest import find_hole
 from ckptd.regions import Box, copy_region, flat_to_boxes
 from ckptd.sharding import FlatShard, Fused, Shard, describe
 
@@ -352,3 +354,37 @@ def test_plain_tensor_is_replicated_and_exactly_one_rank_writes_it(
 def test_describe_rejects_leaves_inconsistent_with_their_boxes(leaf: Any, message: str) -> None:
     with pytest.raises(StateMismatch, match=message):
         describe({"x": leaf}, 0, 1)
+
+
+@st.composite
+def tilings(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box]]:
+    """A grid tiling of a shape (what saves write), then some of its tiles dropped and some
+    arbitrary boxes added (holes, and replicas that overlap the tiles in part)."""
+    shape = draw(shapes)
+    cuts = [sorted(set(draw(st.lists(st.integers(1, max(1, s - 1)), max_size=2))) - {s})
+            for s in shape]
+    edges = [[0, *c, s] for c, s in zip(cuts, shape, strict=True)]
+    boxes = [Box(tuple(e[i] for e, i in zip(edges, idx, strict=True)),
+                 tuple(e[i + 1] - e[i] for e, i in zip(edges, idx, strict=True)))
+             for idx in itertools.product(*(range(len(e) - 1) for e in edges))]
+    boxes = [b for b in boxes if b.numel]
+    drop = draw(st.lists(st.integers(0, len(boxes) - 1), max_size=2))
+    extra = draw(st.lists(box_in(shape), max_size=2))
+    return shape, [b for i, b in enumerate(boxes) if i not in drop] + extra
+
+
+@given(tilings())
+@examples
+def test_find_hole_names_uncovered_elements_exactly_when_there_are_some(
+    case: tuple[tuple[int, ...], list[Box]],
+) -> None:
+    shape, boxes = case
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for b in boxes:
+        covered |= mask(shape, b)
+    hole = find_hole(Box.whole(shape), boxes)
+    if bool(covered.all()):
+        assert hole is None
+    else:
+        assert hole is not None and hole.numel > 0
+        assert not mask(shape, hole)[covered].any()  # none of the hole is covered

@@ -427,8 +427,8 @@ def _chunks(name: str, items: list[Any], whole: Box, itemsize: int, where: str,
             raise CorruptCheckpoint(
                 f"{where}: {name}: malformed chunk ({type(e).__name__}: {e})"
             ) from e
-    for ch in chunks:
-        _safe_relpath(ch.file, where, name)
+    for file in {ch.file for ch in chunks}:  # chunks of a tensor share few files
+        _safe_relpath(file, where, name)
     return tuple(chunks)
 
 
@@ -440,9 +440,11 @@ def _chunk(c: dict[str, Any], whole: Box, itemsize: int, tables: list[str] | Non
     raw_box = c["box"]
     if not (isinstance(raw_box, list) and len(raw_box) == 2):
         raise ValueError(f"a box is [offsets, sizes], got {raw_box!r}")
-    box = Box(tuple(_int(v) for v in raw_box[0]), tuple(_int(v) for v in raw_box[1]))
-    if box.ndim != whole.ndim or not whole.contains(box):
+    offsets, sizes = tuple(_int(v) for v in raw_box[0]), tuple(_int(v) for v in raw_box[1])
+    if not (len(offsets) == len(sizes) == whole.ndim
+            and all(o + s <= w for o, s, w in zip(offsets, sizes, whole.sizes, strict=True))):
         raise ValueError(f"box {raw_box} outside shape {list(whole.sizes)}")
+    box = Box(offsets, sizes)
     length = _int(c["length"])
     if length != box.numel * itemsize:
         raise ValueError(f"a chunk of {box.numel} elements claims {length} bytes")

@@ -34,7 +34,7 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, TensorEntry, codecs, layout, merge
+from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout, merge
 from ckptd.reshard import direct
 from ckptd.reshard.load import gap_bytes, make_plan
 from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
@@ -221,12 +221,14 @@ class Resharder:
                 raise
             assert files.cache is not None
             self.source_bytes_read = files.cache.fetched
-        merged = merge([p for p in partials if p is not None])
-        tensors = {}
-        for name, entry in merged.tensors.items():  # keep every rank's copy (merge keeps one)
-            chunks = tuple(c for p in partials if p is not None and name in p.tensors
-                           for c in p.tensors[name].chunks)
-            tensors[name] = TensorEntry(entry.dtype, entry.shape, chunks)
+        written = [p for p in partials if p is not None]
+        merged = merge(written)
+        every: dict[str, list[Chunk]] = {name: [] for name in merged.tensors}
+        for p in written:  # keep every rank's copy (merge keeps one): one pass over the partials
+            for name, entry in p.tensors.items():
+                every[name] += entry.chunks
+        tensors = {name: TensorEntry(e.dtype, e.shape, tuple(every[name]))
+                   for name, e in merged.tensors.items()}
         m = self.manifest
         out = Manifest(m.step, attempt, len(self.plans), time.time(), tensors, dict(m.values),
                        {k: dict(v) for k, v in m.locals.items()}, training)

@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ckptd.manifest import Chunk, Manifest, codecs
@@ -203,6 +204,34 @@ def chunk_order(chunks: Sequence[Chunk], rank: int | None) -> list[int]:
     return sorted(idx, key=lambda i: chunks[i].rank != rank)
 
 
+class ChunkIndex:
+    """The chunks of one tensor in :func:`chunk_order`, with their boxes as arrays: the chunks
+    overlapping a box are found by one vectorised comparison, not a Python loop over every
+    chunk (a target rank of a reshard to a thousand ranks asks this for every tensor)."""
+
+    SMALL = 16  # fewer chunks than this: a plain loop is cheaper than numpy
+
+    def __init__(self, chunks: Sequence[Chunk], rank: int | None) -> None:
+        self.order = chunk_order(chunks, rank)
+        self.boxes = [chunks[i].box for i in self.order]
+        self.lo: np.ndarray | None = None
+        self.hi: np.ndarray | None = None
+        if len(self.order) >= self.SMALL and self.boxes[0].ndim:
+            self.lo = np.array([b.offsets for b in self.boxes], dtype=np.int64)
+            self.hi = np.array([b.ends for b in self.boxes], dtype=np.int64)
+
+    def overlapping(self, box: Box) -> list[int]:
+        """Indices of the chunks whose box meets ``box`` (non-empty overlap), in order."""
+        if self.lo is None or self.hi is None:
+            return [ci for ci, b in zip(self.order, self.boxes, strict=True)
+                    if b.intersect(box) is not None]
+        if not box.numel:
+            return []
+        hit = ((self.lo < np.array(box.ends)) & (self.hi > np.array(box.offsets))
+               & (self.hi > self.lo)).all(axis=1)
+        return [self.order[i] for i in np.flatnonzero(hit)]
+
+
 def plan_load(manifest: Manifest, pieces: Sequence[Piece], *, rank: int | None = None,
               gap_bytes: int = 0, unit_bytes: int = 8 << 20) -> LoadPlan:
     """The reads and copies that fill ``pieces`` from ``manifest`` (see the module docstring).
@@ -210,10 +239,14 @@ def plan_load(manifest: Manifest, pieces: Sequence[Piece], *, rank: int | None =
     Pieces must name tensors of the manifest with its shapes and dtypes (``load.check``)."""
     needs: dict[tuple[str, int], list[tuple[Piece, Box]]] = {}
     plan = LoadPlan()
+    indexes: dict[str, ChunkIndex] = {}
     for piece in pieces:
         entry = manifest.tensors[piece.name]
+        index = indexes.get(piece.name)
+        if index is None:
+            index = indexes[piece.name] = ChunkIndex(entry.chunks, rank)
         remaining = [piece.box] if piece.box.numel else []
-        for ci in chunk_order(entry.chunks, rank):
+        for ci in index.overlapping(piece.box):
             if not remaining:
                 break
             box = entry.chunks[ci].box

@@ -1,0 +1,289 @@
+"""Scale benchmark: the metadata path of a job of up to a thousand ranks, simulated in one process.
+
+    python benchmarks/scale.py --model 70b --layout tp8 --world 1024
+    python benchmarks/scale.py --model 8b --layout zero3 --world 8,128,256,512,1024
+
+Every rank of a W-rank job saves through the public API, one after another in this process
+(``Checkpointer(root, rank=r, world_size=W)``, ranks W-1 … 1 first, rank 0 — the coordinator —
+last), with tiny tensors but the real counts of a Llama-shaped model with Adam state: every
+dimension is divided by ``--shrink`` (64: a 2-d tensor has 4096 × fewer elements) and the frame
+size by the same element factor, so the numbers of logical tensors, chunks and frames are those of
+the real job. Then one rank's share is loaded at W/2 and 3W/4 ranks (same layout family).
+
+Figures are CPU seconds of this process (``time.process_time``), not wall:
+- manifest: bytes of ``manifest.json`` (and of the frame tables beside the data); partial bytes
+  are the largest rank's partial;
+- coordinator: rank 0's ``save_async(...).result()`` (its own small share, reading every partial,
+  the merge and coverage check, the commit) while ranks 1 … W-1 wait;
+- learn committed: one non-coordinator's check that its attempt committed, on storage (with a
+  process group the coordinator's c10d store answers first: a key lookup);
+- load: one rank's ``load`` at W/2 and at 3W/4: CPU, peak Python-heap bytes (tracemalloc, in a
+  second identical load), manifest entries decoded, frames read;
+- full decode: what every rank paid before format 3 — every tensor's chunks and frames.
+
+Non-coordinator ranks wait for the commit in their save threads; while this process saves the
+other ranks their polls are slowed (``poll_min_s``) so a thousand waiting threads do not compete
+with the ranks being saved; rank 0 is timed after every partial is on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import ckptd  # noqa: E402
+from ckptd import config  # noqa: E402
+from ckptd.manifest import catalog  # noqa: E402
+from ckptd.manifest import layout as L  # noqa: E402
+from ckptd.storage.local import LocalStorage  # noqa: E402
+from ckptd.writer import commit  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    ffn: int
+    vocab: int
+    kv: int  # width of k and v (kv heads × head dim)
+
+
+MODELS = {"8b": Model(32, 4096, 14336, 128256, 1024), "70b": Model(80, 8192, 28672, 128256, 1024)}
+TP = 8
+
+
+def params(m: Model, shrink: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """``(name, shape, tp_dim)`` of every parameter, each dimension divided by ``shrink`` and
+    rounded up to a multiple of 8 (so TP 8 still divides it); tp_dim -1: replicated."""
+    def d(n: int) -> int:
+        return max(8, -(-n // shrink // 8) * 8)
+    h, f, v, kv = d(m.hidden), d(m.ffn), d(m.vocab), d(m.kv)
+    out: list[tuple[str, tuple[int, ...], int]] = [("embed", (v, h), 0)]
+    for i in range(m.layers):
+        p = f"layers.{i}."
+        out += [(p + "attn.q", (h, h), 0), (p + "attn.k", (kv, h), 0), (p + "attn.v", (kv, h), 0),
+                (p + "attn.o", (h, h), 1), (p + "mlp.gate", (f, h), 0), (p + "mlp.up", (f, h), 0),
+                (p + "mlp.down", (h, f), 1), (p + "norm1", (h,), -1), (p + "norm2", (h,), -1)]
+    return out + [("norm", (h,), -1), ("lm_head", (v, h), 0)]
+
+
+OPTIM = ("master", "exp_avg", "exp_avg_sq")  # fp32, beside the bf16 model
+
+
+def state_for(ps: list[tuple[str, tuple[int, ...], int]], layout: str, world: int, rank: int,
+              ) -> dict[str, object]:
+    if layout == "zero3":
+        return _flat_state([(n, s) for n, s, _ in ps], world, rank)
+    tp = math.gcd(TP, world)
+    dp, t = divmod(rank, tp)
+    model: dict[str, object] = {}
+    members: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    for name, shape, dim in ps:
+        offs, sizes = [0] * len(shape), list(shape)
+        if dim >= 0:
+            sizes[dim] = shape[dim] // tp
+            offs[dim] = t * sizes[dim]
+            replica, replicas = dp, world // tp
+        else:
+            replica, replicas = rank, world
+        local = torch.zeros(sizes, dtype=torch.bfloat16)
+        model[name] = ckptd.Shard(local, shape, offs, replica=replica, replicas=replicas)
+        members.append((name, shape, tuple(offs), tuple(sizes)))
+    out = _flat_state(members, world // tp, dp)
+    out["model"] = model
+    return out
+
+
+def _flat_state(members: list, world: int, rank: int) -> dict[str, object]:
+    """ZeRO: flat buffers of ``members`` (whole tensors, or TP boxes of them) split evenly over
+    ``world`` ranks; with whole tensors (ZeRO-3) the bf16 model is flat-sharded too."""
+    numel = sum(math.prod(m[3] if len(m) == 4 else m[1]) for m in members)
+    per = -(-numel // world)
+    start = min(rank * per, numel)
+    n = min(per, numel - start)
+    out: dict[str, object] = {"optim": {k: {"flat": ckptd.FlatShard(torch.zeros(n), members, start)}
+                                        for k in OPTIM}}
+    if all(len(m) == 2 for m in members):
+        out["model"] = {"flat": ckptd.FlatShard(torch.zeros(n, dtype=torch.bfloat16), members,
+                                                start)}
+    return out
+
+
+
+
+def cpu(fn, *args, **kw):  # type: ignore[no-untyped-def]
+    gc.collect()
+    t0 = time.process_time()
+    out = fn(*args, **kw)
+    return out, time.process_time() - t0
+
+
+def peak_heap(fn, *args, **kw) -> int:  # type: ignore[no-untyped-def]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn(*args, **kw)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@dataclass
+class Row:
+    model: str
+    layout: str
+    world: int
+    tensors: int
+    chunks: int
+    frames: int
+    manifest_bytes: int
+    tables_bytes: int
+    partial_max_bytes: int
+    save_all_s: float
+    coordinator_s: float
+    learn_committed_s: float
+    full_decode_s: float
+    loads: list[dict[str, float]]
+
+
+def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row:
+    ps = params(MODELS[model], shrink)
+    scale = shrink * shrink  # the element factor of a 2-d tensor
+    run_id = f"scale{world}"
+    step = 1
+    with config.override(frame_bytes=(1 << 20) // scale, min_frame_bytes=(256 << 10) // scale,
+                         poll_min_s=2.0, poll_max_s=4.0, commit_timeout_s=3600.0):
+        first = ckptd.Checkpointer(root, rank=0, world_size=world, run_id=run_id, threads=1,
+                                   keep_last=0)
+        others, handles = [], []
+        t0 = time.process_time()
+        for r in range(world - 1, 0, -1):
+            c = ckptd.Checkpointer(root, rank=r, world_size=world, run_id=run_id, threads=1,
+                                   keep_last=0)
+            handles.append(c.save_async(state_for(ps, layout_name, world, r), step=step))
+            others.append(c)
+        storage = LocalStorage(root)
+        attempt = f"{run_id}-000001"
+        partials = L.partials_dir(step, attempt)
+        while sum(L.is_partial(n) for n in storage.list_dir(partials)) < world - 1:
+            time.sleep(0.05)  # the last saves' threads are still writing their partials
+        save_all = time.process_time() - t0
+        state0 = state_for(ps, layout_name, world, 0)
+        gc.collect()
+        t0 = time.process_time()
+        first.save_async(state0, step=step).result()
+        coordinator = time.process_time() - t0
+        for h in handles:
+            h.result()
+        for c in [first, *others]:
+            c.close()
+    del others, handles
+    _, learn = cpu(commit.wait_committed, storage, step, attempt)
+    sd = L.step_dir(step)
+    manifest_bytes = storage.size(L.manifest_path(step))
+    files = storage.list_dir(f"{sd}/data/{attempt}")
+    tables = sum(storage.size(f"{sd}/data/{attempt}/{f}") for f in files if f.endswith(".frames"))
+    partial_max = max(storage.size(f"{partials}/{n}") for n in storage.list_dir(partials)
+                      if L.is_partial(n))
+
+    def full_decode() -> tuple[int, int]:
+        m = catalog.read_manifest(storage, step)
+        chunks = m.with_frames([(n, c) for n, e in m.tensors.items() for c in e.chunks])
+        return len(chunks), sum(len(c.frames) for c in chunks)
+
+    (n_chunks, n_frames), decode = cpu(full_decode)
+    loads = []
+    for target in sorted({max(1, world // 2), max(1, 3 * world // 4)}):
+        rank = target // 2
+        reader = ckptd.Checkpointer(root, rank=rank, world_size=target, read_only=True,
+                                    run_id=run_id, threads=1)
+        dest = state_for(ps, layout_name, target, rank)
+        result, load_s = cpu(reader.load, dest, step=step)
+        peak = peak_heap(reader.load, dest, step=step)
+        reader.close()
+        loads.append({"world": target, "cpu_s": load_s, "peak_bytes": peak,
+                      "tensors_decoded": result.tensors_decoded,
+                      "frames_read": result.frames_read, "bytes_read": result.nbytes_read})
+    return Row(model, layout_name, world, len(ps) * 4, n_chunks, n_frames, manifest_bytes, tables,
+               partial_max, save_all, coordinator, learn, decode, loads)
+
+
+def exponent(rows: list[Row], key) -> float | None:  # type: ignore[no-untyped-def]
+    """The slope of log(cost) over log(W) between the smallest W >= 128 and the largest."""
+    pts = sorted((r.world, key(r)) for r in rows if r.world >= 128)
+    if len(pts) < 2 or pts[0][1] <= 0 or pts[-1][1] <= 0:
+        return None
+    (w0, c0), (w1, c1) = pts[0], pts[-1]
+    return math.log(c1 / c0) / math.log(w1 / w0)
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def render(rows: list[Row]) -> str:
+    out = ["| model, layout | W | tensors / chunks / frames | manifest (+ frame tables) | "
+           "largest partial | coordinator CPU | learn committed | full decode | "
+           "load at W/2, 3W/4: CPU, peak heap, entries decoded |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        loads = "; ".join(
+            f"W={d['world']}: {d['cpu_s'] * 1e3:.0f} ms, {d['peak_bytes'] / 2**20:.1f} MiB, "
+            f"{d['tensors_decoded']}" for d in r.loads)
+        out.append(
+            f"| {r.model}, {r.layout} | {r.world} | {r.tensors} / {r.chunks} / {r.frames} | "
+            f"{mb(r.manifest_bytes)} (+{mb(r.tables_bytes)}) | {mb(r.partial_max_bytes)} | "
+            f"{r.coordinator_s:.2f} s | {r.learn_committed_s * 1e3:.1f} ms | "
+            f"{r.full_decode_s:.2f} s | {loads} |")
+    for name, key in (("coordinator", lambda r: r.coordinator_s),
+                      ("load (3W/4)", lambda r: r.loads[-1]["cpu_s"])):
+        e = exponent(rows, key)
+        if e is not None:
+            out.append(f"\ngrowth of {name} CPU over W = 128 … {rows[-1].world}: W^{e:.2f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="8b")
+    ap.add_argument("--layout", choices=("zero3", "tp8"), default="zero3")
+    ap.add_argument("--world", default="8,128,1024",
+                    help="comma-separated world sizes (default 8,128,1024)")
+    ap.add_argument("--shrink", type=int, default=64, help="divide every dimension by this")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints (print where)")
+    args = ap.parse_args(argv)
+    rows = []
+    for w in (int(x) for x in args.world.split(",")):
+        root = tempfile.mkdtemp(prefix=f"ckptd-scale-{w}-", dir=args.dir)
+        try:
+            t0 = time.perf_counter()
+            rows.append(run(args.model, args.layout, w, args.shrink, root))
+            print(f"W={w}: {time.perf_counter() - t0:.0f} s wall", file=sys.stderr, flush=True)
+        finally:
+            if args.keep:
+                print(f"W={w}: kept {root}", file=sys.stderr)
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+    print(render(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
