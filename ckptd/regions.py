@@ -11,23 +11,27 @@ Nothing here does I/O or allocates a tensor: copies go view to view.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """``offsets[i] <= index[i] < offsets[i] + sizes[i]`` in every dimension ``i``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    # offsets + sizes, computed once: planners ask for it in every overlap test
+    ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box rank mismatch: offsets {self.offsets}, sizes {self.sizes}")
-        if any(s < 0 for s in self.sizes) or any(o < 0 for o in self.offsets):
+        if self.sizes and (min(self.sizes) < 0 or min(self.offsets) < 0):
             raise ValueError(f"negative box: offsets {self.offsets}, sizes {self.sizes}")
+        object.__setattr__(self, "ends", tuple(o + s for o, s in zip(
+            self.offsets, self.sizes, strict=True)))
 
     @staticmethod
     def whole(shape: tuple[int, ...]) -> Box:
@@ -41,19 +45,18 @@ class Box:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
-
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None when they do not overlap (or the overlap is empty)."""
         if other.ndim != self.ndim:
             raise ValueError(f"intersecting boxes of rank {self.ndim} and {other.ndim}")
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
-        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
-            return None
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+        lo, sizes = [], []
+        for a, ae, b, be in zip(self.offsets, self.ends, other.offsets, other.ends, strict=True):
+            low, high = max(a, b), min(ae, be)
+            if high <= low:
+                return None
+            lo.append(low)
+            sizes.append(high - low)
+        return Box(tuple(lo), tuple(sizes))
 
     def hull(self, other: Box) -> Box:
         """The smallest box containing both."""

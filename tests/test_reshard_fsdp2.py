@@ -70,11 +70,15 @@ def test_the_inferred_layout_of_an_fsdp2_checkpoint_keeps_dim_0_sharding_over_dp
     assert [g.match for g in spec.zero.groups] == [("model/*",), ("optim/state/*/*",)]
 
 
-def test_reshard_of_an_fsdp2_checkpoint_to_many_ranks_costs_its_bytes(tmp_path, capsys):
+@pytest.mark.parametrize("flags", [[], ["--zero", "1"], ["--zero", "3"]],
+                         ids=["inferred", "zero1", "zero3"])
+def test_reshard_of_an_fsdp2_checkpoint_to_many_ranks_costs_its_bytes(tmp_path, capsys, flags):
+    """With the inferred layout, and with a ZeRO stage asked for on the command line (the layout
+    is then inferred for that stage: flat buffers instead of FSDP2's dim-0 rules)."""
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     _save(src)
     source_bytes = catalog.read_manifest(LocalStorage(src), 7).nbytes
-    assert main(["reshard", src, "--to-world", "64", "--out", out, "--json"]) == 0
+    assert main(["reshard", src, "--to-world", "64", *flags, "--out", out, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     written = sum(r["write_bytes"] for r in report["ranks"])
     assert written == report["nbytes"]

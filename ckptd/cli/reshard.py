@@ -78,8 +78,9 @@ def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> L
 
     if args.layout:
         spec = read_layout(args.layout)
-    else:
-        spec = infer_layout(manifest, args.tp or 1, args.pp or 1, zero or 0)
+    else:  # inferred for the stage it will run with (FSDP2's dim-0 rules only without ZeRO)
+        stage = args.zero if args.zero is not None else zero or 0
+        spec = infer_layout(manifest, args.tp or 1, args.pp or 1, stage)
     return spec.with_parallel(args.tp, args.pp, args.zero if args.zero is not None else
                               (None if args.layout else zero))
 

@@ -222,11 +222,13 @@ class ChunkIndex:
 
     def overlapping(self, box: Box) -> list[int]:
         """Indices of the chunks whose box meets ``box`` (non-empty overlap), in order."""
-        if self.lo is None or self.hi is None:
-            return [ci for ci, b in zip(self.order, self.boxes, strict=True)
-                    if b.intersect(box) is not None]
         if not box.numel:
             return []
+        if self.lo is None or self.hi is None:
+            qlo, qhi = box.offsets, box.ends
+            return [ci for ci, b in zip(self.order, self.boxes, strict=True)
+                    if all(max(a, c) < min(e, f) for a, e, c, f in zip(
+                        b.offsets, b.ends, qlo, qhi, strict=True))]
         hit = ((self.lo < np.array(box.ends)) & (self.hi > np.array(box.offsets))
                & (self.hi > self.lo)).all(axis=1)
         return [self.order[i] for i in np.flatnonzero(hit)]
