@@ -134,7 +134,7 @@ def export_dcp(
     meta: dict[str, Any] = {}
     for name in names:
         entry = ckpt.manifest.tensors[name]
-        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        itemsize = entry.dtype.itemsize
         boxes = [
             b
             for whole in disjoint_boxes([c.box for c in entry.chunks])
@@ -159,7 +159,7 @@ def export_dcp(
         return item.parts
 
     def items(reader: BoxReader) -> Iterator[bytes]:
-        itemsize = {n: torch.empty((), dtype=e.dtype).element_size()
+        itemsize = {n: e.dtype.itemsize
                     for n, e in ckpt.manifest.tensors.items()}
         for batch in by_budget(plan, lambda nb: nb[1].numel * itemsize[nb[0]], slab):
             dsts = [torch.empty(b.sizes, dtype=ckpt.manifest.tensors[n].dtype) for n, b in batch]

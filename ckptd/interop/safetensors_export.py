@@ -136,7 +136,7 @@ class _Tensor:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ def export_safetensors(
     def content(shard: list[_Tensor], reader: BoxReader) -> Iterator[memoryview | bytes]:
         yield _header(shard)
         for t in shard:
-            itemsize = torch.empty((), dtype=t.src).element_size()
+            itemsize = t.src.itemsize
             for box in row_slabs(t.shape, itemsize, slab):
                 dst = torch.empty(box.sizes, dtype=t.src)
                 reader.read(_requests(t, box, dst))

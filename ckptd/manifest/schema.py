@@ -404,7 +404,7 @@ def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
         raise ValueError(f"{name}: shape {shape_l!r} is not a list")
     dtype = dtype_from_name(dtype_s, f"{where}: {name}")
     shape = tuple(_int(s) for s in shape_l)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if math.prod(shape) * itemsize > MAX_INT:
         raise CorruptCheckpoint(f"{where}: {name}: shape {list(shape)} is impossibly large")
     return dtype, shape, itemsize

@@ -159,7 +159,7 @@ class Resharder:
         reads = Buffers(self.budget // 2)
         for p in self.plans:
             rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
-            rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget)
+            rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget, tight=True)
             for rnd in rounds:
                 plan = make_plan(self.source, self.manifest, _slot_pieces(rnd.plans), None,
                                  reads)
@@ -243,7 +243,7 @@ class Resharder:
         share = Share(self.step, attempt, p.rank, len(self.plans), declared,
                       values=dict(self.manifest.values) if p.rank == 0 else {})
         rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
-        rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget)
+        rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget, tight=True)
         chunks = []
         index = 0
         for rnd in rounds:

@@ -131,7 +131,7 @@ class LoadPlan:
 
 
 def itemsize_of(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

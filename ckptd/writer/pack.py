@@ -36,12 +36,14 @@ PIECE_ALIGN = 64  # element alignment for every dtype, and a cache line
 
 
 def pack(
-    pieces: list[Piece], files: int, alignment: int, min_file_bytes: int = 1
+    pieces: list[Piece], files: int, alignment: int, min_file_bytes: int = 1,
+    piece_align: int | None = PIECE_ALIGN,
 ) -> tuple[list[FilePlan], int]:
     """Files (at most ``files``, none below ``min_file_bytes`` unless it is the only one) and
     the arena size they need. Each file starts at an ``alignment`` boundary of the arena and is
     padded to one, so it can be written with O_DIRECT in one call; pieces inside a file are only
-    aligned to PIECE_ALIGN, so small tensors do not waste a block each."""
+    aligned to ``piece_align`` (None: to their item size, the least a dtype view needs), so
+    small tensors do not waste a block each."""
     ordered = sorted(pieces, key=lambda p: (p.name, p.box.offsets, p.box.sizes))
     sized = [(p, p.view.numel() * p.view.element_size()) for p in ordered]
     sized = [(p, n) for p, n in sized if n]
@@ -51,7 +53,7 @@ def pack(
     current: list[Slot] = []
     start = cursor = 0
     for i, (p, n) in enumerate(sized):
-        cursor = _align(cursor, PIECE_ALIGN)
+        cursor = _align(cursor, piece_align or p.view.element_size())
         current.append(Slot(p, cursor, n))
         cursor += n
         last = i == len(sized) - 1

@@ -32,7 +32,7 @@ from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer.files import ChunkList, gather, write_file
 from ckptd.writer.memcopy import copy_all
-from ckptd.writer.pack import FilePlan, pack
+from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
 
 log = logging.getLogger("ckptd")
@@ -84,13 +84,23 @@ def split_rows(piece: Piece, max_bytes: int) -> list[Piece]:
     return out
 
 
-def plan_rounds(pieces: list[Piece], threads: int, budget: int | None) -> list[Round]:
+def plan_rounds(pieces: list[Piece], threads: int, budget: int | None, *,
+                tight: bool = False) -> list[Round]:
+    """The rounds (one unless over ``budget``) and files of ``pieces``. ``tight``: no padding
+    beyond what the item sizes need (files not padded for O_DIRECT, pieces aligned to their item
+    size): an offline rewrite of many small pieces, where padding would be a
+    share of the bytes and a direct write gains nothing."""
     cfg = config.get()
     files = threads * cfg.files_per_thread
+    alignment, piece_align = (1, None) if tight else (cfg.file_alignment, PIECE_ALIGN)
+
+    def packed(group: list[Piece]) -> Round:
+        plans, size = pack(group, files, alignment, cfg.min_file_bytes, piece_align)
+        return Round(plans, size)
+
     total = sum(p.view.numel() * p.view.element_size() for p in pieces)
     if budget is None or total <= budget:
-        plans, size = pack(pieces, files, cfg.file_alignment, cfg.min_file_bytes)
-        return [Round(plans, size)]
+        return [packed(pieces)]
     # leave room for alignment padding inside a round
     room = max(cfg.file_alignment, budget - files * cfg.file_alignment - 64 * len(pieces))
     parts = [q for p in pieces for q in split_rows(p, room)]
@@ -106,11 +116,7 @@ def plan_rounds(pieces: list[Piece], threads: int, budget: int | None) -> list[R
         size += n
     if current:
         rounds.append(current)
-    out = []
-    for group in rounds:
-        plans, size = pack(group, files, cfg.file_alignment, cfg.min_file_bytes)
-        out.append(Round(plans, size))
-    return out
+    return [packed(group) for group in rounds]
 
 
 def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
