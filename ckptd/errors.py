@@ -19,12 +19,14 @@
     │                                         (``ckptd.elastic.search``)
     ├── NotElastic (ValueError)               a step's training metadata is not an elastic run's
     │                                         (``ckptd.elastic.history``)
+    ├── DataMismatch (ValueError)             a resume's data order is not the checkpoint's
+    │                                         (``ckptd.data.order``)
     ├── PreemptionError (RuntimeError)        the preemption save could not be made durable
     │                                         (``ckptd.elastic.preemption``)
     └── DemoError (RuntimeError)              ``ckptd demo`` could not run (``ckptd.elastic.demo``)
 
 Each error outside this module lives with the part that raises it; catching ``CkptdError``
-catches all twelve.
+catches all thirteen.
 
 Messages are one line and carry the bad value and the file or logical tensor name; the original
 exception, if any, is kept as ``__cause__``.

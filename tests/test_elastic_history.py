@@ -19,6 +19,7 @@ import torch
 import ckptd
 from ckptd import elastic
 from ckptd.cli import main
+from ckptd.data import GlobalOrder
 from ckptd.elastic import preemption as preemption_module
 from ckptd.elastic.demo import DemoError, run_demo
 from ckptd.elastic.history import MAX_LOSS_POINTS, add_loss, render_phases, summarize
@@ -51,6 +52,7 @@ def elastic_ckpt(tmp_path: Path) -> str:
                                  world_size=world)
             state = {"w": torch.zeros(3)}
             run.load(state)
+            run.check_data(GlobalOrder(40))  # a 40-sample dataset: epoch 1 from sample 40 on
             for _ in range(steps):
                 run.step_done(loss=4.0 / (run.step + 1))
             run.save(state)
@@ -68,7 +70,8 @@ def test_the_metadata_is_plain_json_and_round_trips(elastic_ckpt: str) -> None:
     assert training["version"] == 1
     assert set(training) == {"version", "spec", "reference", "model", "policy",
                              "consumed_samples", "history", "losses", "loss_stride",
-                             "preempted_at"}
+                             "preempted_at", "data"}
+    assert training["data"] == GlobalOrder(40).spec()
     assert [(e["step"], e["world_size"], e["reason"]) for e in training["history"]] == \
         [(0, 3, "start"), (4, 2, "scale-down")]
     assert training["consumed_samples"] == 7 * 12
@@ -149,8 +152,11 @@ def test_history_prints_the_churn_and_writes_a_png(
     text = capsys.readouterr().out.splitlines()
     assert text[0] == ("step 7, 84 samples consumed; reference global batch 12 on 3 ranks, "
                        "tolerance ±10%")
-    assert text[3].split() == ["0", "start", "3", "2", "2", "1", "12", "+0.00", "0", "—", "—"]
-    assert text[4].split()[:9] == ["4", "scale-down", "2", "3", "2", "1", "12", "+0.00", "48"]
+    assert text[1].split()[10:12] == ["consumed", "epoch"]
+    assert text[3].split() == ["0", "start", "3", "2", "2", "1", "12", "+0.00", "0", "0", "—",
+                               "—"]
+    assert text[4].split()[:10] == ["4", "scale-down", "2", "3", "2", "1", "12", "+0.00", "48",
+                                    "1"]
     assert out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
 
 

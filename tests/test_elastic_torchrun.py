@@ -25,6 +25,7 @@ import torch
 import ckptd
 from ckptd.cli import main
 from ckptd.cli.elastic import read_meta
+from ckptd.data import GlobalOrder
 from ckptd.elastic.demo import Cluster, _descendants, step_reached
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,8 +139,10 @@ def test_three_agents_lose_one_then_gain_one_and_match_an_uninterrupted_run(
     elastic_dir.mkdir()
     ref_dir.mkdir()
     stop = elastic_dir / "STOP"
+    samples_dir = elastic_dir / "samples"
+    samples_dir.mkdir()
     args = ["--ckpt", str(elastic_dir / "ckpt"), "--steps", "100000", "--stop-file", str(stop),
-            *ARGS]
+            "--sample-log", str(samples_dir), *ARGS]
     # MAX = 3: the rounds of 3 close as soon as the third agent joins; the round of 2 closes
     # after a last call long enough for both survivors' 1 s rendezvous polls under CI load
     with Cluster(elastic_dir, args, script=TRAIN, max_nodes=3, last_call_s=5) as cluster:
@@ -173,6 +176,18 @@ def test_three_agents_lose_one_then_gain_one_and_match_an_uninterrupted_run(
     steps = steps_of(events)
     assert [e["step"] for e in steps] == list(range(1, final + 1))
     assert all(e["consumed"] == e["step"] * BATCH and e["global_batch"] == BATCH for e in steps)
+    # ... and the DataLoaders read the global order's prefix, each sample exactly once per
+    # epoch: no duplicate, no gap, through 3 -> 2 -> 3 (the dataset is 1000 samples)
+    logged = [json.loads(line) for f in samples_dir.iterdir() for line in f.read_text().splitlines()
+              if line]
+    per_step: dict[int, list[int]] = {}
+    for rec in logged:
+        per_step.setdefault(rec["step"], []).extend(rec["samples"])
+    assert sorted(per_step) == list(range(1, final + 1))
+    order = GlobalOrder(1000, seed=0)
+    for s, got in per_step.items():
+        want = [order.index(p) for p in range((s - 1) * BATCH, s * BATCH)]
+        assert sorted(got) == sorted(want), f"step {s}: read {sorted(got)}, expected {want}"
     preempts = [e for e in events if e["ev"] == "preempt"]
     assert preempts and all(e["saved"] for e in preempts)
     step, elastic_model = final_model(elastic_dir / "ckpt")

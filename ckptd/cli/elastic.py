@@ -161,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- history
 HISTORY = ("step", "reason", "world", "micro", "accum", "ZeRO", "global batch", "deviation %",
-           "consumed", "load s", "downtime s")
+           "consumed", "epoch", "load s", "downtime s")
 
 
 def history_rows(meta: TrainingMeta) -> list[list[str]]:
@@ -169,10 +169,14 @@ def history_rows(meta: TrainingMeta) -> list[list[str]]:
     def opt(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}"
 
+    def epoch(consumed: int) -> str:
+        e = meta.epoch(consumed)
+        return "—" if e is None else str(e)
+
     return [[str(e.step), e.reason, str(e.world_size), str(e.micro_batch_size),
              str(e.gradient_accumulation_steps), str(e.zero_stage), str(e.global_batch_size),
-             f"{e.deviation * 100:+.2f}", str(e.consumed_samples), opt(e.load_s),
-             opt(e.downtime_s)] for e in meta.history]
+             f"{e.deviation * 100:+.2f}", str(e.consumed_samples), epoch(e.consumed_samples),
+             opt(e.load_s), opt(e.downtime_s)] for e in meta.history]
 
 
 def step_rows(storage: Storage) -> list[dict[str, Any]]:

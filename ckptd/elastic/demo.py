@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ckptd.data import GlobalOrder
 from ckptd.elastic.history import Incarnation, TrainingMeta, scale_up_wait_s, summarize
 from ckptd.errors import CkptdError
 
@@ -309,6 +310,7 @@ def _interruptible() -> Iterator[None]:
 # few hundred KiB, so the budget is scaled down with it. 240 KiB makes world 2 need ZeRO-2 while
 # worlds 3 and 4 fit ZeRO-1 (see ``ckptd plan`` on the demo's checkpoint).
 DEMO_MEM_LIMIT_GIB = 240 / 2**20
+DEMO_SAMPLES, DEMO_SEED = 1000, 0  # the trainers' dataset: GlobalOrder(DEMO_SAMPLES, seed=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +341,10 @@ def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
     args = ["--ckpt", ckpt, "--steps", "1000000", "--stop-file", str(stop),
             "--save-every", str(save_every), "--ref-world", "3", "--micro-batch", "1",
             "--accum", "4", "--zero-stage", "1", "--mem-limit-gib", repr(DEMO_MEM_LIMIT_GIB),
-            "--cooldown-s", str(cooldown_s), "--grace-s", str(grace_s)]
+            "--cooldown-s", str(cooldown_s), "--grace-s", str(grace_s),
+            "--samples", str(DEMO_SAMPLES), "--seed", str(DEMO_SEED),
+            "--sample-log", str(workdir / "samples")]
+    (workdir / "samples").mkdir()
     t_start = time.time()
 
     def say(text: str) -> None:
@@ -384,4 +389,29 @@ def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
     bad = {name: c for name, c in codes.items() if c != 0 and name != victim.name}
     if bad:
         raise DemoError(f"agents exited with {bad}; logs in {workdir}")
-    return DemoResult(workdir, ckpt, summarize(events), codes, time.time() - t_start)
+    phases = exactly_once(summarize(events), events, workdir / "samples",
+                          GlobalOrder(DEMO_SAMPLES, seed=DEMO_SEED))
+    return DemoResult(workdir, ckpt, phases, codes, time.time() - t_start)
+
+
+def exactly_once(phases: list[Incarnation], events: list[dict[str, Any]], sample_dir: Path,
+                 order: GlobalOrder) -> list[Incarnation]:
+    """``phases`` with ``exactly_once`` set: every step of a phase read, over all its ranks
+    (the trainers' ``--sample-log`` files), exactly the samples of its positions of ``order``:
+    ``[consumed - global_batch, consumed)`` from rank 0's step event."""
+    logged: dict[int, list[int]] = {}
+    for f in sample_dir.iterdir():
+        for line in f.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                logged.setdefault(rec["step"], []).extend(rec["samples"])
+    steps = {e["step"]: e for e in events if e["ev"] == "step" and e["rank"] == 0}
+    out = []
+    for p in phases:
+        ok = all(
+            s in steps and sorted(logged.get(s, [])) == sorted(
+                order.index(q) for q in range(steps[s]["consumed"] - steps[s]["global_batch"],
+                                              steps[s]["consumed"]))
+            for s in range(p.first_step + 1, p.last_step + 1))
+        out.append(dataclasses.replace(p, exactly_once=ok))
+    return out

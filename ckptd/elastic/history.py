@@ -140,6 +140,13 @@ class TrainingMeta:
     losses: tuple[tuple[int, float], ...] = ()
     loss_stride: int = 1
     preempted_at: float | None = None
+    # the data order's fingerprint (ckptd.data: kind, length, seed, ...), once the run has one
+    data: dict[str, Any] | None = None
+
+    def epoch(self, consumed_samples: int) -> int | None:
+        """The data epoch at a stream position, when the run's data order is known."""
+        length = (self.data or {}).get("length")
+        return consumed_samples // length if isinstance(length, int) and length > 0 else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +160,7 @@ class TrainingMeta:
             "losses": [[s, v] for s, v in self.losses],
             "loss_stride": self.loss_stride,
             "preempted_at": self.preempted_at,
+            "data": self.data,
         }
 
     @classmethod
@@ -178,9 +186,16 @@ class TrainingMeta:
                 losses=tuple((int(s), float(v)) for s, v in data.get("losses", [])),
                 loss_stride=int(data.get("loss_stride", 1)),
                 preempted_at=data.get("preempted_at"),
+                data=_data_spec(data.get("data")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise NotElastic(f"{where}: malformed elastic metadata: {e}") from e
+
+
+def _data_spec(raw: Any) -> dict[str, Any] | None:
+    if raw is not None and not isinstance(raw, Mapping):
+        raise TypeError(f"'data' is not an object: {raw!r}")
+    return None if raw is None else dict(raw)
 
 
 def resharded(meta: TrainingMeta, spec: TrainingSpec, *, step: int, time: float) -> TrainingMeta:
@@ -300,6 +315,9 @@ class Incarnation:
     ended_by: str  # "sigterm" or "done"
     sigterm_to_committed_s: float | None  # the preemption save that ended it
     downtime_s: float | None  # first SIGTERM of its end -> the next incarnation trains
+    # every step of the phase read exactly its positions of the global sample order (from the
+    # trainers' sample logs); None when no log was kept
+    exactly_once: bool | None = None
 
 
 def summarize(events: list[dict[str, Any]]) -> list[Incarnation]:
@@ -339,9 +357,13 @@ def render_phases(phases: list[Incarnation]) -> str:
     def s(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f} s"
 
+    def once(x: bool | None) -> str:
+        return "—" if x is None else "yes" if x else "**NO**"
+
     head = ("| phase | world | steps | micro × accum | ZeRO | global batch | async saves | "
-            "stall median / max | load | ended by | SIGTERM → committed | downtime |")
-    lines = [head, "|" + "---:|" * 5 + "---:|---:|---|---:|---|---:|---:|"]
+            "stall median / max | load | ended by | SIGTERM → committed | downtime | "
+            "exactly once |")
+    lines = [head, "|" + "---:|" * 5 + "---:|---:|---|---:|---|---:|---:|---|"]
     for i, p in enumerate(phases, 1):
         t = p.training
         lines.append(
@@ -349,5 +371,5 @@ def render_phases(phases: list[Incarnation]) -> str:
             f"{t['micro_batch_size']} × {t['gradient_accumulation_steps']} | {t['zero_stage']} | "
             f"{p.world * t['micro_batch_size'] * t['gradient_accumulation_steps']} | {p.saves} | "
             f"{ms(p.stall_median_s)} / {ms(p.stall_max_s)} | {s(p.load_s)} | {p.ended_by} | "
-            f"{s(p.sigterm_to_committed_s)} | {s(p.downtime_s)} |")
+            f"{s(p.sigterm_to_committed_s)} | {s(p.downtime_s)} | {once(p.exactly_once)} |")
     return "\n".join(lines)

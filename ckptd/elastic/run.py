@@ -30,6 +30,8 @@ from typing import Any
 
 from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer
+from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
+from ckptd.data.sampler import Order
 from ckptd.elastic import preemption
 from ckptd.elastic.history import (
     EXIT_RESTART,
@@ -118,8 +120,34 @@ class ElasticRun:
         if not (0 <= micro_step < t.gradient_accumulation_steps and 0 <= r < t.world_size):
             raise InvalidSpec(f"micro-step {micro_step} / data-parallel rank {r} outside "
                               f"{t.gradient_accumulation_steps} x {t.world_size}")
-        start = self.consumed_samples + (micro_step * t.world_size + r) * t.micro_batch_size
-        return range(start, start + t.micro_batch_size)
+        return micro_batch_positions(self.consumed_samples, micro_step, r, t.world_size,
+                                     t.micro_batch_size)
+
+    def batch_sampler(self, order: Order, *, steps: int | None = None,
+                      allow_data_change: bool = False) -> GlobalBatchSampler:
+        """A ``DataLoader`` ``batch_sampler`` of this rank's micro-batches from where the
+        checkpoint stopped, in the global ``order`` (:class:`ckptd.data.GlobalOrder` or
+        :class:`~ckptd.data.ShardedOrder`), for ``steps`` optimizer steps (None: no end).
+
+        The order's fingerprint is saved with every checkpoint of this run; a resume whose order
+        differs (dataset length, seed, shards, shuffling) raises
+        :class:`~ckptd.data.DataMismatch` naming what changed, unless ``allow_data_change``:
+        then the run continues at the same stream position of the new order."""
+        self.check_data(order, allow_data_change=allow_data_change)
+        t = self.training
+        return GlobalBatchSampler(order, consumed=self.consumed_samples, dp_rank=self.dp_rank,
+                                  dp_size=t.world_size, micro_batch=t.micro_batch_size,
+                                  grad_accum=t.gradient_accumulation_steps, steps=steps)
+
+    def check_data(self, order: Order | StreamOrder, *,
+                   allow_data_change: bool = False) -> None:
+        """Compare ``order``'s fingerprint with the checkpoint's (raise
+        :class:`~ckptd.data.DataMismatch` naming what changed, unless ``allow_data_change``) and
+        save it with this run's checkpoints. :meth:`batch_sampler` calls it; call it directly
+        for a :class:`~ckptd.data.StreamOrder`, whose readers cannot change."""
+        current = order.spec()
+        check_spec(self.meta.data, current, allow_change=allow_data_change)
+        self.meta = dataclasses.replace(self.meta, data=current)
 
     # ------------------------------------------------------------------ progress
     def load(self, state: Any, *, strict: bool = True) -> LoadResult | None:

@@ -1,5 +1,6 @@
-"""A deterministic synthetic corpus: sample ``i`` is the same token sequence on every rank, in
-every world size and every run, so the data position is just the number of consumed samples.
+"""A small tokenised corpus, built once and read as a map-style ``Dataset`` through a
+``DataLoader`` whose batch sampler is ckptd's global sample order (``ckptd.data``): which
+sample a rank reads depends on the stream position and the current world, never on the dataset.
 
 The text is a walk on a fixed sparse Markov chain over the vocabulary: every token has four
 possible successors with probabilities 0.55 / 0.25 / 0.12 / 0.08, so a model can learn the
@@ -12,6 +13,7 @@ import random
 from collections.abc import Iterable
 
 import torch
+from torch.utils.data import Dataset
 
 PROBS = (0.55, 0.25, 0.12, 0.08)
 
@@ -43,3 +45,18 @@ class MarkovCorpus:
         """Inputs and targets, ``(len(indices), seq_len)`` each."""
         rows = torch.tensor([self.sample(i) for i in indices], dtype=torch.long)
         return rows[:, :-1], rows[:, 1:]
+
+
+class MarkovDataset(Dataset[torch.Tensor]):
+    """``samples`` rows of ``seq_len + 1`` tokens generated once from the chain: a dataset with
+    a length and rows, read through a ``DataLoader`` like any other."""
+
+    def __init__(self, vocab_size: int, seq_len: int, samples: int, seed: int = 0) -> None:
+        corpus = MarkovCorpus(vocab_size, seq_len, seed)
+        self.rows = torch.tensor([corpus.sample(i) for i in range(samples)], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows[i]

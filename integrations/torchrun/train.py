@@ -26,6 +26,7 @@ _early_sigterm: list[float] = []
 signal.signal(signal.SIGTERM, lambda *_: _early_sigterm.append(time.monotonic()))
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -35,14 +36,16 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from data import MarkovCorpus  # noqa: E402
+from data import MarkovDataset  # noqa: E402
 from model import Config, forward, num_parameters, param_specs  # noqa: E402
 from zero import FlatZero  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd import elastic  # noqa: E402
+from ckptd.data import GlobalOrder  # noqa: E402
 from ckptd.storage.local import LocalStorage  # noqa: E402
 
 
@@ -75,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM -> SIGKILL time")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1 or 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1000,
+                   help="dataset size (epochs are reshuffled by ckptd.data.GlobalOrder)")
+    p.add_argument("--sample-log", default=None,
+                   help="(tests) append each completed step's sample indices, per rank, to "
+                        "DIR/samples-<pid>.jsonl")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lr-scaling", choices=("none", "sqrt", "linear"), default="none",
@@ -119,6 +127,19 @@ def groups(world: int, rank: int, tp: int) -> tuple[Any, Any]:
     return tp_group, dp_group
 
 
+class _Indexed(torch.utils.data.Dataset[tuple[int, torch.Tensor]]):
+    """``dataset`` with each sample's index beside it (for the sample log)."""
+
+    def __init__(self, dataset: MarkovDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, self.dataset[i]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -155,15 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     state = zero.state()
     if run.load(state) is not None:
         zero.after_load()
-    corpus = MarkovCorpus(cfg.vocab_size, cfg.seq_len, args.seed)
+    dataset = MarkovDataset(cfg.vocab_size, cfg.seq_len, args.samples, args.seed)
+    # the data position is part of the checkpoint: this rank's micro-batches continue the
+    # global order where the saved step stopped, whatever the new world
+    order = GlobalOrder(len(dataset), seed=args.seed)
+    batches = iter(DataLoader(_Indexed(dataset), batch_sampler=run.batch_sampler(order)))
+    sample_log = (open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a")
+                  if args.sample_log else None)
     scale = t.global_batch_size / run.meta.reference.global_batch_size
     lr_factor = {"none": 1.0, "sqrt": math.sqrt(scale), "linear": scale}[args.lr_scaling]
     handle: ckptd.SaveHandle | None = None
     step_buf = torch.zeros(2, dtype=torch.float64)  # [loss sum, stop requested], all-reduced
     while run.step < args.steps:
-        loss_sum = 0.0
-        for micro in range(t.gradient_accumulation_steps):
-            x, y = corpus.batch(run.sample_indices(micro))
+        loss_sum, indices = 0.0, []
+        for _micro in range(t.gradient_accumulation_steps):
+            ids, rows = next(batches)
+            indices += ids.tolist()
+            x, y = rows[:, :-1], rows[:, 1:]
             per_sample = forward(zero.views, x, y, cfg, tp, tp_group)
             zero.accumulate(per_sample.sum() / t.global_batch_size)
             loss_sum += float(per_sample.detach().sum())
@@ -177,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         step_buf[1] = 1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0
         dist.all_reduce(step_buf)  # over the world: TP ranks hold equal losses, hence / tp
         run.step_done(float(step_buf[0]) / tp / t.global_batch_size)
+        if sample_log is not None and tp_rank == 0:
+            sample_log.write(json.dumps({"step": run.step, "rank": dp_rank,
+                                         "samples": indices}) + "\n")
+            sample_log.flush()
         if step_buf[1] > 0:
             break
         if run.step % args.save_every == 0 and run.step < args.steps:

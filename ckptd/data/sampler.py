@@ -1,0 +1,79 @@
+"""Which samples each data-parallel rank reads: a function of the stream position and the
+batch settings of the current world, nothing else.
+
+An optimizer step consumes the next ``global_batch = dp_size × micro_batch × grad_accum``
+positions of the global stream (:mod:`ckptd.data.order`). Micro-step ``m`` of data-parallel
+rank ``r`` reads positions ``consumed + (m × dp_size + r) × micro_batch`` onwards, so over every
+rank and micro-step a step reads exactly ``[consumed, consumed + global_batch)``. A restart on
+another world starts from the saved ``consumed`` with the re-planned settings: the union of what
+the new ranks read continues the stream where it stopped, across epoch boundaries too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from torch.utils.data import Sampler
+
+
+class Order(Protocol):
+    """:class:`~ckptd.data.order.GlobalOrder` or :class:`~ckptd.data.order.ShardedOrder`."""
+
+    length: int
+
+    def index(self, position: int) -> Any: ...
+
+    def epoch(self, position: int) -> int: ...
+
+    def spec(self) -> dict[str, Any]: ...
+
+
+def micro_batch_positions(consumed: int, micro_step: int, dp_rank: int, dp_size: int,
+                          micro_batch: int) -> range:
+    """Stream positions rank ``dp_rank`` reads in micro-step ``micro_step`` of the optimizer
+    step that starts at position ``consumed``."""
+    if not (0 <= dp_rank < dp_size and micro_step >= 0 and micro_batch >= 1 and consumed >= 0):
+        raise ValueError(f"no micro-batch for rank {dp_rank} of {dp_size}, micro-step "
+                         f"{micro_step}, micro-batch {micro_batch}, position {consumed}")
+    start = consumed + (micro_step * dp_size + dp_rank) * micro_batch
+    return range(start, start + micro_batch)
+
+
+class GlobalBatchSampler(Sampler[list[Any]]):
+    """A ``batch_sampler`` for :class:`torch.utils.data.DataLoader`: this rank's micro-batches,
+    ``grad_accum`` per optimizer step, from stream position ``consumed`` on, for ``steps``
+    optimizer steps (None: without end). Each batch is a list of ``order.index(p)`` (sample
+    indices; ``(shard, offset)`` pairs for a sharded order).
+
+    The sampler holds no progress of its own: the run's consumed-samples count is saved with
+    the checkpoint, and a resume builds a new sampler from it (``ElasticRun.batch_sampler``).
+    A DataLoader's prefetching therefore never moves the saved position.
+    """
+
+    def __init__(self, order: Order, *, consumed: int, dp_rank: int, dp_size: int,
+                 micro_batch: int, grad_accum: int, steps: int | None = None) -> None:
+        micro_batch_positions(consumed, 0, dp_rank, dp_size, micro_batch)  # validates
+        if grad_accum < 1 or (steps is not None and steps < 0):
+            raise ValueError(f"grad_accum must be >= 1 and steps >= 0, got {grad_accum}, {steps}")
+        self.order, self.consumed = order, consumed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.micro_batch, self.grad_accum, self.steps = micro_batch, grad_accum, steps
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp_size * self.micro_batch * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        step = 0
+        while self.steps is None or step < self.steps:
+            at = self.consumed + step * self.global_batch
+            for micro in range(self.grad_accum):
+                yield [self.order.index(p) for p in micro_batch_positions(
+                    at, micro, self.dp_rank, self.dp_size, self.micro_batch)]
+            step += 1
+
+    def __len__(self) -> int:
+        if self.steps is None:
+            raise TypeError("a GlobalBatchSampler without steps has no length")
+        return self.steps * self.grad_accum

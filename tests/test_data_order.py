@@ -1,0 +1,208 @@
+"""The global sample order (``ckptd.data``): permutations that are permutations, a stream that
+any sequence of world sizes and batch re-plans reads exactly once, and a resume that refuses a
+changed dataset by name.
+
+The elastic restarts here are real ``elastic.resume`` calls on a real checkpoint root (one
+process playing data-parallel rank 0; the other ranks' micro-batches come from samplers built
+with their ranks, as each of them would build it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset
+
+import ckptd
+from ckptd import elastic
+from ckptd.data import (
+    DataMismatch,
+    GlobalBatchSampler,
+    GlobalOrder,
+    ShardedOrder,
+    StreamOrder,
+)
+from ckptd.data.order import Permutation
+
+examples = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@examples
+@given(st.integers(1, 3000), st.integers(0, 2**64 - 1), st.integers(0, 50))
+def test_a_permutation_is_a_bijection_of_its_range(n: int, seed: int, epoch: int) -> None:
+    p = Permutation(n, (seed, epoch))
+    assert sorted(p(i) for i in range(n)) == list(range(n))
+
+
+def test_orders_depend_on_seed_and_epoch_and_not_on_anything_else() -> None:
+    a, b = GlobalOrder(1000, seed=1), GlobalOrder(1000, seed=2)
+    first = [a.index(p) for p in range(1000)]
+    assert first == [GlobalOrder(1000, seed=1).index(p) for p in range(1000)]  # reproducible
+    assert first != [b.index(p) for p in range(1000)]
+    assert first != [a.index(p) for p in range(1000, 2000)]  # the next epoch is reshuffled
+    assert [GlobalOrder(10, shuffle=False).index(p) for p in range(12)] == [*range(10), 0, 1]
+    # fixed values: the order is part of the format (a change here breaks every resume)
+    assert [GlobalOrder(10, seed=3).index(p) for p in range(10)] == [6, 1, 4, 3, 8, 0, 5, 2, 7, 9]
+
+
+@examples
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=12).filter(lambda xs: sum(xs) > 0),
+       st.integers(0, 1000), st.booleans())
+def test_a_sharded_order_reads_every_record_once_per_epoch_each_shard_in_sequence(
+        lengths: list[int], seed: int, shuffle: bool) -> None:
+    order = ShardedOrder(lengths, seed=seed, shuffle=shuffle)
+    total = sum(lengths)
+    for epoch in range(2):
+        got = [order.index(p) for p in range(epoch * total, (epoch + 1) * total)]
+        assert sorted(got) == [(s, o) for s, n in enumerate(lengths) for o in range(n)]
+        runs: dict[int, list[int]] = {}
+        for s, o in got:
+            runs.setdefault(s, []).append(o)
+        assert all(offsets == list(range(len(offsets))) for offsets in runs.values())
+        shard_sequence = [s for i, (s, _) in enumerate(got) if i == 0 or got[i - 1][0] != s]
+        assert len(shard_sequence) == len(set(shard_sequence))  # a shard is read in one go
+
+
+class _Positions:
+    """An order whose samples are the stream positions themselves (what the property checks)."""
+
+    length = 1 << 60
+
+    def index(self, position: int) -> int:
+        return position
+
+    def epoch(self, position: int) -> int:
+        return 0
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "positions"}
+
+
+phases = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3),
+                            st.integers(0, 4)), min_size=1, max_size=6)
+
+
+@examples
+@given(phases, st.integers(1, 40), st.integers(0, 9))
+def test_any_sequence_of_worlds_and_replans_reads_the_stream_exactly_once(
+        plan: list[tuple[int, int, int, int]], length: int, seed: int) -> None:
+    """Phases of (dp size, micro-batch, accumulation, steps) each resuming from the position the
+    previous one saved: all ranks together read a prefix of the stream, each position once, and
+    the samples of every complete epoch are the dataset, once each."""
+    consumed, read = 0, []
+    for dp, micro, accum, steps in plan:
+        for rank in range(dp):
+            s = GlobalBatchSampler(_Positions(), consumed=consumed, dp_rank=rank, dp_size=dp,
+                                   micro_batch=micro, grad_accum=accum, steps=steps)
+            assert len(s) == steps * accum
+            read += [p for batch in s for p in batch]
+        consumed += steps * dp * micro * accum  # what step_done counts
+    assert sorted(read) == list(range(consumed))
+    order = GlobalOrder(length, seed=seed)
+    samples = [order.index(p) for p in sorted(read)]
+    for e in range(consumed // length):
+        assert sorted(samples[e * length : (e + 1) * length]) == list(range(length))
+
+
+# --------------------------------------------------------------------------- with resume()
+
+MODEL = elastic.ModelSpec(hidden_size=32, num_hidden_layers=2, num_parameters=20_000)
+REFERENCE = elastic.TrainingSpec(zero_stage=1, world_size=3, micro_batch_size=2,
+                                 gradient_accumulation_steps=2, sequence_length=16)
+POLICY = elastic.ElasticPolicy(tolerance=0.0, mem_limit_gib=1.0, max_micro_batch_size=4)
+
+
+class Tokens(Dataset[torch.Tensor]):
+    """A small tokenised corpus: sample ``i`` is 8 tokens of a fixed text."""
+
+    def __init__(self, n: int) -> None:
+        text = ("the quick brown fox jumps over the lazy dog " * 64).split()
+        vocab = {w: i for i, w in enumerate(sorted(set(text)))}
+        ids = torch.tensor([vocab[w] for w in text])
+        self.rows = torch.stack([ids.roll(-i)[:8] for i in range(n)])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.cat([torch.tensor([i]), self.rows[i]])  # the index rides along, to check
+
+
+def _resume(root: Path, world: int, rank: int) -> elastic.ElasticRun:
+    # rank 0 saves (a new job incarnation: a new run id); the others only read
+    ckpt = ckptd.Checkpointer(str(root), rank=0, world_size=1, run_id=uuid.uuid4().hex[:12],
+                              read_only=rank > 0)
+    return elastic.resume(ckpt, reference=REFERENCE, model=MODEL, policy=POLICY,
+                          world_size=world, dp_rank=rank)
+
+
+def _phase(root: Path, world: int, steps: int, data: Dataset[torch.Tensor],
+           order: GlobalOrder, **kw: Any) -> list[int]:
+    """``steps`` optimizer steps on ``world`` data-parallel ranks (each a resume of the same
+    checkpoint, as each rank of a restarted job is), then rank 0 saves. The indices read."""
+    read: list[int] = []
+    runs = [_resume(root, world, r) for r in range(world)]
+    try:
+        for run in runs:
+            loader = DataLoader(data, batch_sampler=run.batch_sampler(order, steps=steps, **kw))
+            read += [int(i) for batch in loader for i in batch[:, 0]]
+        for _ in range(steps):
+            for run in runs:
+                run.step_done()
+        runs[0].save({"step": runs[0].step})
+    finally:
+        for run in runs:
+            run.close()
+            run.ckpt.close()
+    return read
+
+
+def test_a_dataloader_resumed_at_3_then_2_then_3_ranks_reads_each_sample_once(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    data, order = Tokens(50), GlobalOrder(50, seed=7)
+    read = (_phase(tmp_path, 3, 2, data, order) + _phase(tmp_path, 2, 3, data, order)
+            + _phase(tmp_path, 3, 2, data, order))
+    assert len(read) == 12 * 7  # global batch 12 kept by every re-plan, 7 steps
+    # exactly the stream's first 84 positions: the first epoch's 50 samples once each, then 34
+    # of the second epoch's order
+    assert Counter(read) == Counter(order.index(p) for p in range(84))
+    assert Counter(order.index(p) for p in range(50)) == Counter(range(50))
+    history = ckptd.Checkpointer(str(tmp_path), read_only=True).read_manifest(7).training
+    assert history["data"] == order.spec() and history["consumed_samples"] == 84
+
+
+def test_a_resume_with_another_dataset_names_what_changed(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    _phase(tmp_path, 3, 1, Tokens(50), GlobalOrder(50, seed=7))
+    with pytest.raises(DataMismatch, match=r"length 50 -> 60.*allow_data_change"):
+        _phase(tmp_path, 2, 1, Tokens(60), GlobalOrder(60, seed=7))
+    with pytest.raises(DataMismatch, match=r"seed 7 -> 8"):
+        _phase(tmp_path, 2, 1, Tokens(50), GlobalOrder(50, seed=8))
+    read = _phase(tmp_path, 2, 1, Tokens(60), GlobalOrder(60, seed=7), allow_data_change=True)
+    # the same stream position (12) in the new order
+    assert Counter(read) == Counter(GlobalOrder(60, seed=7).index(p) for p in range(12, 24))
+
+
+def test_a_stream_per_reader_refuses_a_resume_on_another_number_of_readers(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    run = _resume(tmp_path, 3, 0)
+    run.check_data(StreamOrder(readers=3 * 2))  # 3 ranks x 2 DataLoader workers
+    run.step_done()
+    run.save({"step": run.step})
+    run.close()
+    run.ckpt.close()
+    again = _resume(tmp_path, 2, 0)
+    try:
+        with pytest.raises(DataMismatch, match=r"readers 6 -> 4"):
+            again.check_data(StreamOrder(readers=2 * 2))
+        again.check_data(StreamOrder(readers=6))  # the same readers: fine
+    finally:
+        again.close()
+        again.ckpt.close()
