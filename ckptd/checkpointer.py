@@ -66,8 +66,11 @@ class Checkpointer:
         max_inflight: int = 1, threads: int | None = None, on_busy: str = "block",
         run_id: str | None = None, storage: Storage | None = None,
         debug_overlap: bool = False, host_budget_bytes: int | None = None,
-        read_only: bool = False,
+        read_only: bool = False, agent: bool | None = None,
     ) -> None:
+        """``agent``: hand each staged save to this node's agent (``docs/agent.md``), started
+        if none runs; None: when ``$CKPTD_AGENT`` is 1. Without one (or with ``storage=``, an
+        object another process cannot open) saves run in this process."""
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.url = self.storage.url
@@ -88,8 +91,32 @@ class Checkpointer:
                 max_inflight=max_inflight, on_busy=on_busy,
                 host_budget_bytes=host_budget_bytes,
                 debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1")
-            self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io)
+            offload = self._agent(agent, root, storage, storage_options)
+            self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io,
+                                offload)
         _live.add(self)
+
+    def _agent(self, wanted: bool | None, root: str, storage: Storage | None,
+               storage_options: dict[str, Any] | None) -> Any:
+        if wanted is None:
+            wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
+        if not wanted or storage is not None or self.url.startswith("memory://"):
+            return None
+        from ckptd.agent.client import AgentClient
+
+        try:
+            client = AgentClient.connect(
+                {"url": root, "options": storage_options}, threads=self.threads,
+                timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")))
+            # a previous incarnation's last saves commit before this one claims the root
+            busy = client.drain(self.run_id, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
+            if busy:
+                log.warning("ckptd: rank %d: the node agent still runs %d save(s) of an "
+                            "earlier job", self.rank, busy)
+            return client
+        except (CkptdError, OSError) as e:
+            log.warning("ckptd: rank %d: no node agent (%s); saving in process", self.rank, e)
+            return None
 
     @staticmethod
     def threads_for(threads: int | None) -> int:
@@ -178,6 +205,8 @@ class Checkpointer:
         try:
             if self._saver is not None:
                 self._saver.close()
+                if self._saver.offload is not None:
+                    self._saver.offload.close()
         finally:
             self._closed = True
             self._io.shutdown(wait=True)

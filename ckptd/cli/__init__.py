@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from ckptd import __version__
-from ckptd.cli import elastic, interop, reshard, steps
+from ckptd.cli import agent, elastic, interop, reshard, steps
 from ckptd.cli.common import STORAGE_OPTIONS_HELP, Command, storage_options_arg
 from ckptd.errors import CkptdError
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    for group in (steps, reshard, elastic, interop):
+    for group in (steps, reshard, elastic, interop, agent):
         group.register(add)
     return p
 

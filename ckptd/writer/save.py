@@ -15,6 +15,12 @@ files are either all staged before the writers start, or staged one after anothe
 writers starting on each (``config.pipelined_staging``); a state over the host budget is staged
 and written round by round, which makes the caller wait until it is durable.
 
+With an :class:`~ckptd.writer.remote.Offload` (the node agent, :mod:`ckptd.agent`) the arena
+is the agent's shared memory and, once staged, the job is handed to the agent before
+``save_async`` returns: files, partial and commit then happen there, and survive this process.
+If the agent is lost, the save thread writes the same arena (still mapped here) itself, and
+every later save runs in process.
+
 Everything after staging runs on a single save thread per Saver, so saves of one rank commit
 in order. No collectives happen here: a rank's failure reaches the others through storage and
 the process group's store (:mod:`.signals`).
@@ -37,7 +43,7 @@ from ckptd.manifest import Chunk, TensorEntry, codecs, layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.storage.base import extended
-from ckptd.writer import commit, retention
+from ckptd.writer import commit, remote, retention
 from ckptd.writer.autocodec import AutoCodec, largest_float_slot
 from ckptd.writer.files import gather
 from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
@@ -51,6 +57,7 @@ from ckptd.writer.pipeline import (
     stage,
     stored_bytes,
 )
+from ckptd.writer.remote import AgentLost, Offload, Ticket
 from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
@@ -86,6 +93,8 @@ class _Job:
     chunks: list[tuple[str, Chunk]] = field(default_factory=list)
     futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files being written
     t_write: float = float("inf")  # when the first file was handed to an I/O thread
+    pool: StagingPool | None = None  # where ``arena`` goes back to
+    ticket: Ticket | None = None  # the agent holds the job
 
 
 class Saver:
@@ -93,8 +102,9 @@ class Saver:
     the Saver is created: a job still writing under the previous owner fails its next commit."""
 
     def __init__(self, storage: Storage, options: SaveOptions, signals: Signals,
-                 io: ThreadPoolExecutor) -> None:
-        """``io``: the I/O threads that write the files (the caller's; shared with loads)."""
+                 io: ThreadPoolExecutor, offload: Offload | None = None) -> None:
+        """``io``: the I/O threads that write the files (the caller's; shared with loads).
+        ``offload``: the node agent, which takes each save over once it is staged."""
         if options.on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {options.on_busy!r}")
         self.storage = storage
@@ -102,7 +112,10 @@ class Saver:
         self.auto = AutoCodec(options.threads) if options.compression == "auto" else None
         self.codec, level = codecs.parse_compression(None if self.auto else options.compression)
         self.max_inflight = max(1, options.max_inflight)
-        self.pool = StagingPool(self.max_inflight)
+        self.offload = offload
+        self._local_pool: StagingPool | None = None  # set once the agent is lost
+        self.pool = (remote.pool_for(offload, self.max_inflight) if offload is not None
+                     else StagingPool(self.max_inflight))
         self.signals = signals
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._writer = RankWriter(storage, io, self.pool, self.codec, level)
@@ -200,11 +213,15 @@ class Saver:
                 self.options.host_budget_bytes, len(rounds))
             job.chunks = self._writer.write_rounds(share, rounds, codec=job.codec)
         else:
-            job.arena = self.pool.acquire(rounds[0].nbytes)
+            job.pool = self.pool
+            job.arena = job.pool.acquire(rounds[0].nbytes)
             if self.options.debug_overlap:
                 buffer, plans = job.arena.buffer, rounds[0].plans
                 job.handle.on_wait_staged.append(lambda: check_unmodified(plans, buffer))
             job.t_write = time.perf_counter()
+            if self._hand_over(job):
+                job.handle.mark_staged()
+                return
             pipelined = config.pipelined_staging(self.options.threads)
             if not pipelined:  # every core copies first; then the writers start
                 stage(job.arena.buffer, rounds[0].plans)
@@ -212,14 +229,65 @@ class Saver:
                 share, job.arena, rounds[0], 0, stage_first=pipelined, codec=job.codec)
         job.handle.mark_staged()
 
+    def _hand_over(self, job: _Job) -> bool:
+        """Stage the whole round and give the job to the agent; False when there is no agent
+        (or it was lost, then the files are started here from the same arena)."""
+        if self.offload is None or self._local_pool is not None:
+            return False
+        if not self.offload.alive:
+            self._agent_lost(AgentLost("the node agent stopped"))
+            return False
+        assert job.arena is not None
+        rnd = job.rounds[0]
+        stage(job.arena.buffer, rnd.plans)
+        opts = self.options
+        doc = remote.encode(
+            job.share, rnd, codec=job.codec, level=self._writer.level,
+            frame_bytes=config.get().frame_bytes,
+            commit_=remote.Commit(opts.run_id, self.generation, job.overwrite, opts.keep_last))
+        try:
+            job.ticket = self.offload.submit(job.arena.buffer, doc)
+        except AgentLost as e:
+            self._agent_lost(e)
+            job.futures = self._writer.start_files(job.share, job.arena, rnd, 0,
+                                                   stage_first=False, codec=job.codec)
+        return True
+
+    def _agent_lost(self, error: BaseException) -> None:
+        """Every later save runs in process (its own staging memory)."""
+        if self._local_pool is None:
+            log.warning("ckptd: rank %d: %s; saving in process from now on",
+                        self.options.rank, error)
+            self._local_pool = self.pool = StagingPool(self.max_inflight)
+
+    def _finish_on_agent(self, job: _Job) -> int | None:
+        """Wait for the agent's part (files, partial and, on rank 0, the commit). Its stored
+        bytes; or None when the agent was lost and this thread must carry on: then the files
+        are started here from the same arena, unless the agent's partial shows they are all
+        written."""
+        assert job.ticket is not None and job.arena is not None
+        share = job.share
+        try:
+            reply = job.ticket.wait()
+        except AgentLost as e:
+            self._agent_lost(e)
+            partial = layout.partial_path(share.step, share.attempt, share.rank)
+            if not self.storage.exists(partial):
+                job.futures = self._writer.start_files(share, job.arena, job.rounds[0], 0,
+                                                       stage_first=False, codec=job.codec)
+            return None
+        if self.auto is not None:
+            self.auto.observe_write(int(reply["nbytes"]), float(reply["write_s"]), job.codec)
+        return int(reply["nbytes"])
+
     def _abandon(self, job: _Job, error: BaseException) -> None:
         """A save that failed (or was interrupted) before the hand-off: no write may still read
         the arena when it goes back to the pool; its files go; the handle fails with the error
         that is raised to the caller right here."""
         for f in job.futures or ():
             f.exception()
-        if job.arena is not None:
-            self.pool.release(job.arena)
+        if job.arena is not None and job.pool is not None:
+            job.pool.release(job.arena)
         self._writer.discard(job.share, n_files(job.rounds))
         job.handle.mark_failed(error, reported=True)
 
@@ -229,27 +297,38 @@ class Saver:
         the commit; then retention."""
         h, share, opts = job.handle, job.share, self.options
         partial_written = False
+        on_agent: int | None = None  # the agent's stored bytes, once it did its part
         try:
             try:
                 if stage_here:
                     self._stage(job)
                 t_staged = time.perf_counter()
+                if job.ticket is not None:
+                    on_agent = self._finish_on_agent(job)
+                    # the agent records its own failures; only a lost agent leaves it to us
+                    partial_written = True
                 if job.futures is not None:
                     job.chunks = gather(job.futures)
+                    partial_written = False
                     if self.auto is not None:
                         self._observe(job, time.perf_counter() - job.t_write)
             finally:
-                if job.arena is not None:  # start_files and gather return after every write
-                    self.pool.release(job.arena)
-            self._writer.write_partial(share, job.chunks)
+                if job.arena is not None and job.pool is not None:
+                    job.pool.release(job.arena)  # every write that reads it has returned
+            if job.ticket is None or job.futures is not None:
+                self._writer.write_partial(share, job.chunks)
             partial_written = True
-            if opts.rank == 0:
+            if opts.rank == 0 and on_agent is not None:
+                self.signals.publish_committed(share.attempt)  # the agent committed
+            elif opts.rank == 0:
                 commit.coordinate(self.storage, share.step, share.attempt, opts.world_size,
                                   opts.run_id, generation=self.generation,
                                   overwrite=job.overwrite, signals=self.signals)
             else:
                 commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
-            result = SaveResult(share.step, h.url, stored_bytes(job.chunks), h.stall_s,
+            nbytes = (on_agent if on_agent is not None else stored_bytes(job.chunks)
+                      if job.chunks else sum(r.nbytes for r in job.rounds))
+            result = SaveResult(share.step, h.url, nbytes, h.stall_s,
                                 time.perf_counter() - t_staged)
             self._record(result)
             h.mark_committed(result)
@@ -264,7 +343,7 @@ class Saver:
                                       opts.rank, e)
                 self._writer.discard(share, n_files(job.rounds))
             return
-        if opts.rank == 0 and opts.keep_last > 0:
+        if opts.rank == 0 and opts.keep_last > 0 and on_agent is None:
             # after the commit is announced: deleting a large old step takes a while and must
             # not delay "committed"; this thread finishes it before the next save's commit
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +43,13 @@ class StagingPool:
     """At most ``slots`` arenas (one per in-flight save); ``allocations`` counts every
     allocation so tests can assert reuse without timing anything."""
 
-    def __init__(self, slots: int = 1, pin: bool | None = None) -> None:
+    def __init__(self, slots: int = 1, pin: bool | None = None,
+                 allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        """``allocate``: where arena memory comes from instead of this process's heap (the node
+        agent's shared memory, page-aligned)."""
         self.slots = max(1, slots)
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self._allocate_with = allocate
         self.allocations = 0
         self._arenas: list[Arena] = []
         self._cond = threading.Condition()
@@ -77,6 +82,8 @@ class StagingPool:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
+        if self._allocate_with is not None:
+            return self._allocate_with(max(nbytes, ALIGN))
         return _aligned_empty(max(nbytes, ALIGN), self.pin)
 
     @property

@@ -1,0 +1,150 @@
+"""The node agent against the in-process save: one state over W gloo ranks (local disk).
+
+    python benchmarks/agent.py [--size 2GiB] [--world 4] [--saves 5] [--contend 0,2] [--dir DIR]
+
+Per mode (``inproc``: ``agent=False``; ``agent``: every rank hands its staged arena to one node
+agent) and per contention level (N busy processes spinning on the cores while the ranks save;
+users' nodes are never idle), medians over ``--saves`` saves after a warm-up save:
+
+* the **stall** (``save_async`` → returned; the slowest rank) next to the **memcpy floor**: each
+  rank copying its state into a preallocated buffer, measured in the same run under the same
+  contention;
+* **durable** (``save_async`` → every rank's ``result()``) next to the **write floor**: the same
+  bytes written and fsync'd by the ranks directly.
+
+Restart from memory, peer copies and the compute-slowdown figure of issue 13 are not built yet
+(``docs/agent.md``, *What is not built*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+
+import common  # noqa: E402
+import multirank  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _floors(rank: int, world: int, root: str, size: int, saves: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    state = common.build_state(size, rank, world)
+    flat = [lf.local for lf in state.leaves]
+    buf = common.aligned_empty(state.nbytes)
+    copies, writes = [], []
+    for i in range(saves + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        off = 0
+        for t in flat:
+            n = t.numel() * t.element_size()
+            buf[off: off + n].copy_(t.reshape(-1).view(torch.uint8))
+            off += n
+        copies.append(_slowest(time.perf_counter() - t0))
+        path = os.path.join(root, f"floor-{rank}-{i}.bin")
+        dist.barrier()
+        t0 = time.perf_counter()
+        common.write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
+        writes.append(_slowest(time.perf_counter() - t0))
+        os.remove(path)
+    return {"memcpy": statistics.median(copies[1:]), "write": statistics.median(writes[1:])}
+
+
+def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
+           ) -> dict[str, float]:
+    import ckptd
+
+    torch.set_num_threads(1)
+    state = common.build_state(size, rank, world)
+    stalls, durable = [], []
+    with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
+        assert agent == (ckpt._saver is not None and ckpt._saver.offload is not None)
+        ckpt.reserve(state.ckptd_tree())
+        for step in range(saves + 1):
+            state.touch()
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = ckpt.save_async(state.ckptd_tree(), step=step)
+            stall = time.perf_counter() - t0
+            h.result()
+            done = time.perf_counter() - t0
+            stalls.append(_slowest(stall))
+            durable.append(_slowest(done))
+    return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:])}
+
+
+def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--contend", default="0,2", help="busy processes, comma-separated")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    size = common.parse_size(args.size)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ckptd-agent-", dir=args.dir or
+                                     common.default_dir()) as root:
+        agent_dir = tempfile.mkdtemp(prefix="ckab")
+        os.environ.update(CKPTD_AGENT_DIR=agent_dir, CKPTD_NODE_ID="bench")
+        try:
+            for busy in (int(x) for x in args.contend.split(",")):
+                ctx = mp.get_context("fork")
+                stop = ctx.Event()
+                spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(busy)]
+                for p in spinners:
+                    p.start()
+                try:
+                    fl = multirank.run(_floors, args.world, root, size, args.saves,
+                                       timeout=1800)[0]
+                    for agent in (False, True):
+                        r = multirank.run(_saves, args.world, os.path.join(root, f"c{busy}"),
+                                          size, args.saves, agent, timeout=1800)[0]
+                        rows.append((busy, "agent" if agent else "in process", r, fl))
+                finally:
+                    stop.set()
+                    for p in spinners:
+                        p.join()
+        finally:
+            from ckptd.agent.client import AgentClient
+
+            try:
+                AgentClient.connect({"url": "", "options": None}, threads=1,
+                                    start=False).stop_agent()
+            except Exception:  # noqa: BLE001 - none was started
+                pass
+    print(f"{common.fmt_bytes(size)} over {args.world} gloo ranks, median of {args.saves} "
+          "saves (slowest rank)\n")
+    print("| busy processes | mode | stall | memcpy floor | stall / floor | durable | "
+          "write floor | durable / floor |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for busy, mode, r, fl in rows:
+        print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
+              f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
+              f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The trainer's side of the node agent: staging memory from the agent, saves handed to it.
+
+:class:`AgentClient` is the :class:`~ckptd.writer.remote.Offload` a Saver uses. A reader thread
+receives the agent's replies and heartbeats; if the connection closes, or nothing arrives for
+``timeout_s``, the agent is *lost*: every pending request fails with
+:class:`~ckptd.writer.remote.AgentLost` (the Saver then writes the same staged memory itself),
+and an agent that stopped answering is killed first, so that it cannot write a file the trainer
+is writing too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from ckptd.agent import wire
+from ckptd.agent.shm import Segment
+from ckptd.errors import CkptdError
+from ckptd.writer.remote import AgentLost
+
+log = logging.getLogger("ckptd")
+
+START_TIMEOUT_S = 60.0  # a cold start imports torch
+
+
+class _Ticket:
+    def __init__(self, done: Future[dict[str, Any]]) -> None:
+        self._done = done
+
+    def wait(self) -> dict[str, Any]:
+        return self._done.result()
+
+
+class AgentClient:
+    """A connection to this node's agent for one Checkpointer (one rank, one root)."""
+
+    def __init__(self, sock: socket.socket, storage: dict[str, Any], timeout_s: float) -> None:
+        self._sock = sock
+        self._storage = storage
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._next = 0
+        self._replies: dict[int, Future[dict[str, Any]]] = {}
+        self._done: dict[int, Future[dict[str, Any]]] = {}
+        self._segments: dict[int, tuple[int, Segment]] = {}  # data_ptr -> (id, mapping)
+        self._lost: AgentLost | None = None
+        uid, self.pid = wire.peer_uid_pid(sock)
+        if uid != os.getuid():
+            sock.close()
+            raise wire.Refused(f"the agent socket belongs to uid {uid}, not {os.getuid()}")
+        sock.settimeout(timeout_s)
+        self._reader = threading.Thread(target=self._read, name="ckptd-agent-client",
+                                        daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def connect(cls, storage: dict[str, Any], *, threads: int, start: bool = True,
+                node: str | None = None, timeout_s: float = 5.0) -> AgentClient:
+        """This node's agent, started (detached, its own session) if none answers and
+        ``start``. ``storage``: ``{"url", "options"}`` of the root the saves go to."""
+        node = node or wire.node_id()
+        paths = wire.paths(node, wire.agent_dir())
+        sock = _try_connect(paths["sock"])
+        if sock is None and start:
+            _spawn(node, paths)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            pause = 0.01
+            while sock is None and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
+                sock = _try_connect(paths["sock"])
+        if sock is None:
+            raise CkptdError(f"no ckptd agent answers at {paths['sock']} (log: {paths['log']})")
+        client = cls(sock, storage, timeout_s)
+        hello = client._request({"op": "hello", "threads": threads})
+        if hello.get("op") == "refused":
+            raise wire.Refused(str(hello.get("error")))
+        return client
+
+    # ------------------------------------------------------------------ Offload
+    @property
+    def alive(self) -> bool:
+        return self._lost is None
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        reply = self._request({"op": "arena", "nbytes": nbytes})
+        seg = Segment.attach(reply["path"], nbytes)
+        self._send({"op": "mapped", "segment": reply["segment"]})
+        # fault the pages into this process now (reserve() or the first save), not during
+        # a later save's copy: one write a page (they are zero already)
+        seg.tensor[::4096].zero_()
+        with self._lock:
+            self._segments[seg.tensor.data_ptr()] = (int(reply["segment"]), seg)
+        return seg.tensor
+
+    def submit(self, arena: torch.Tensor, job: dict[str, Any]) -> _Ticket:
+        with self._lock:
+            found = self._segments.get(arena.data_ptr())
+        if found is None:
+            raise CkptdError("this arena is not the agent's memory")
+        done: Future[dict[str, Any]] = Future()
+        rid = self._new_id()
+        with self._lock:
+            self._done[rid] = done
+        # no acknowledgement to wait for: once sendall returns the message is in the agent's
+        # receive queue, which it reads even if this process dies right after
+        self._send({"op": "save", "id": rid, "segment": found[0], "storage": self._storage,
+                    "job": job})
+        return _Ticket(done)
+
+    def drain(self, run: str, timeout_s: float) -> int:
+        """Wait until the agent runs no job of another run than ``run`` (a previous
+        incarnation's last saves, which must commit before this job takes the root over); the
+        jobs still running after ``timeout_s``."""
+        return int(self._request({"op": "drain", "run": run, "timeout_s": timeout_s},
+                                 timeout_s=timeout_s + 5)["busy"])
+
+    def stop_agent(self) -> None:
+        """Ask the agent to finish its jobs and exit (tests, ``ckptd agent --stop``)."""
+        self._request({"op": "stop"})
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    # ------------------------------------------------------------------ the wire
+    def _new_id(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._lost is not None:
+            raise self._lost
+        try:
+            with self._lock:
+                wire.send(self._sock, msg)
+        except OSError as e:
+            self._lose(f"the node agent (pid {self.pid}) is gone: {e}")
+            raise AgentLost(str(e)) from e
+
+    def _request(self, msg: dict[str, Any], rid: int | None = None,
+                 timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+        rid = rid if rid is not None else self._new_id()
+        reply: Future[dict[str, Any]] = Future()
+        with self._lock:
+            self._replies[rid] = reply
+        self._send({**msg, "id": rid})
+        try:
+            out = reply.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._lose(f"the node agent (pid {self.pid}) did not answer a request")
+            raise self._lost or AgentLost("agent lost") from None
+        if out.get("op") == "failed":
+            raise CkptdError(f"ckptd agent: {out.get('error')}")
+        return out
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = wire.recv(self._sock)
+            except TimeoutError:
+                self._lose(f"the node agent (pid {self.pid}) sent nothing for "
+                           f"{self._timeout_s:.0f} s", kill=True)
+                return
+            except (ConnectionError, OSError, ValueError) as e:
+                self._lose(f"the node agent (pid {self.pid}) is gone: {e}")
+                return
+            rid = msg.get("id")
+            if rid is None:
+                continue  # a heartbeat
+            with self._lock:
+                reply = self._replies.pop(rid, None)
+                done = self._done.pop(rid, None) if msg.get("op") in ("done", "failed") else None
+            if done is not None:
+                if msg["op"] == "done":
+                    done.set_result(msg)
+                else:
+                    done.set_exception(CkptdError(f"{msg.get('kind')}: {msg.get('error')}"))
+            if reply is not None:
+                reply.set_result(msg)
+
+    def _lose(self, why: str, kill: bool = False) -> None:
+        with self._lock:
+            if self._lost is not None:
+                return
+            self._lost = AgentLost(why)
+            pending = [*self._replies.values(), *self._done.values()]
+            self._replies.clear()
+            self._done.clear()
+        if kill:  # it stopped answering: it must not write what this process now writes
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for f in pending:
+            if not f.done():
+                f.set_exception(self._lost)
+
+
+def _try_connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _spawn(node: str, paths: dict[str, str]) -> None:
+    """Start an agent in its own session (not in the trainer's process group, so it outlives
+    the trainer and its launcher's worker group); a racing second start exits at once."""
+    with open(paths["log"], "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.agent", "--node", node,
+             "--dir", os.path.dirname(paths["sock"])],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True)
+    # reap it if it exits while this process lives (no zombie)
+    threading.Thread(target=proc.wait, name="ckptd-agent-reaper", daemon=True).start()
+    log.info("ckptd: started the node agent (pid %d) for node %s", proc.pid, node)
+
+
+__all__ = ["AgentClient"]

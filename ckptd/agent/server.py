@@ -1,0 +1,272 @@
+"""The node agent: one process per node that writes, and commits, the saves its trainers staged
+into its shared memory — so a save outlives the process that made it.
+
+    python -m ckptd.agent [--node ID] [--dir DIR] [--idle-exit S]      (or: ckptd agent)
+
+One agent per (user, node): the running agent holds ``agent-<node>.lock``; a second one exits at
+once. Each client connection is a session with its own segments and its own job thread (saves
+of one rank commit in order); a session's jobs run to the end when its trainer dies. Clients of
+another user are refused by the kernel's peer credentials, whatever the socket's mode.
+
+SIGTERM or a ``stop`` request: stop accepting, finish every job, exit. With no client and no job
+for ``--idle-exit`` seconds the agent exits by itself (a job's agent does not outlive it for
+long).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ckptd import config
+from ckptd.agent import wire
+from ckptd.agent.shm import Segment, unlink
+from ckptd.storage import Storage, open_storage
+from ckptd.writer import remote
+
+log = logging.getLogger("ckptd.agent")
+
+
+class Agent:
+    def __init__(self, node: str, directory: str, idle_exit_s: float = 600.0) -> None:
+        self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
+        self.paths = wire.paths(node, directory)
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._sessions: set[Session] = set()
+        self._busy = 0  # jobs accepted and not finished, over all sessions
+        self._runs: dict[str, int] = {}  # the same, by run id
+        self._idle_since = time.monotonic()
+        self._storages: dict[str, Storage] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        lock_fd = os.open(self.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("ckptd agent: another agent serves node %s", self.node)
+            os.close(lock_fd)
+            return 0
+        os.ftruncate(lock_fd, 0)
+        os.write(lock_fd, str(os.getpid()).encode())
+        unlink(self.paths["sock"])  # a dead agent's; we hold the lock
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(self.paths["sock"])
+        finally:
+            os.umask(old)
+        listener.listen(64)
+        listener.settimeout(0.2)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        log.info("ckptd agent %d serving node %s at %s", os.getpid(), self.node,
+                 self.paths["sock"])
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    self._maybe_idle_exit()
+                    continue
+                self._open_session(conn)
+        finally:
+            listener.close()
+            unlink(self.paths["sock"])
+            self._drain()
+            os.close(lock_fd)
+        log.info("ckptd agent %d stopped", os.getpid())
+        return 0
+
+    def _maybe_idle_exit(self) -> None:
+        with self._lock:
+            idle = not self._sessions and not self._busy
+            if not idle:
+                self._idle_since = time.monotonic()
+            elif time.monotonic() - self._idle_since >= self.idle_exit_s:
+                log.info("ckptd agent: idle for %.0f s, exiting", self.idle_exit_s)
+                self.stopping.set()
+
+    def _drain(self) -> None:
+        """Every accepted job finishes before the agent exits."""
+        while self.wait_idle(60.0):
+            log.info("ckptd agent: waiting for %d job(s) before exiting", self._busy)
+
+    def _open_session(self, conn: socket.socket) -> None:
+        uid, pid = wire.peer_uid_pid(conn)
+        if uid != os.getuid():
+            log.warning("ckptd agent: refused a client of uid %d (pid %d)", uid, pid)
+            try:
+                wire.send(conn, {"op": "refused",
+                                 "error": f"the agent of uid {os.getuid()} serves only its user"})
+            finally:
+                conn.close()
+            return
+        session = Session(self, conn, pid)
+        with self._lock:
+            self._sessions.add(session)
+        threading.Thread(target=session.serve, name=f"ckptd-agent-{pid}", daemon=True).start()
+
+    # ------------------------------------------------------------------ shared by sessions
+    def storage(self, spec: dict[str, Any]) -> Storage:
+        key = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            if key not in self._storages:
+                self._storages[key] = open_storage(spec["url"], spec.get("options") or None)
+            return self._storages[key]
+
+    def wait_idle(self, timeout_s: float, but: str | None = None) -> int:
+        """Wait until no job runs (at most ``timeout_s``), not counting the jobs of run
+        ``but``; the jobs still running."""
+        deadline = time.monotonic() + timeout_s
+
+        def busy() -> int:
+            return self._busy - self._runs.get(but, 0) if but is not None else self._busy
+
+        with self._idle:
+            while busy() and time.monotonic() < deadline:
+                self._idle.wait(deadline - time.monotonic())
+            return busy()
+
+    def job_started(self, run: str) -> None:
+        with self._lock:
+            self._busy += 1
+            self._runs[run] = self._runs.get(run, 0) + 1
+
+    def job_ended(self, run: str) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._runs[run] -= 1
+            self._idle_since = time.monotonic()
+            self._idle.notify_all()
+
+    def session_ended(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+            self._idle_since = time.monotonic()
+
+
+class Session:
+    """One client (a Checkpointer of one rank): its segments, its jobs in order."""
+
+    def __init__(self, agent: Agent, conn: socket.socket, pid: int) -> None:
+        self.agent, self.conn, self.pid = agent, conn, pid
+        self.segments: dict[int, Segment] = {}
+        self._unmapped: set[str] = set()  # created, not yet mapped (and unlinked) by the client
+        self._send_lock = threading.Lock()
+        self._open = True
+        self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"ckptd-job-{pid}")
+        self._io: ThreadPoolExecutor | None = None
+        self._next_segment = 0
+
+    def reply(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            if not self._open:
+                return
+            try:
+                wire.send(self.conn, msg)
+            except OSError:
+                self._open = False  # the trainer is gone; its jobs go on
+
+    def serve(self) -> None:
+        beat = threading.Thread(target=self._heartbeat, daemon=True)
+        beat.start()
+        try:
+            while True:
+                try:
+                    msg = wire.recv(self.conn)
+                except (ConnectionError, OSError, ValueError):
+                    return
+                try:
+                    self._handle(msg)
+                except Exception as e:  # noqa: BLE001 - a bad request fails that request
+                    log.warning("ckptd agent: request from pid %d failed: %s", self.pid, e)
+                    self.reply({"id": msg.get("id"), "op": "failed", "error": str(e),
+                                "kind": type(e).__name__})
+        finally:
+            with self._send_lock:
+                self._open = False
+            self.conn.close()
+            for path in self._unmapped:
+                unlink(path)
+            self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
+            self.agent.session_ended(self)
+
+    def _heartbeat(self) -> None:
+        while self._open and not self.agent.stopping.is_set():
+            self.reply({"op": "alive"})
+            time.sleep(wire.HEARTBEAT_S)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op, rid = msg.get("op"), msg.get("id")
+        if op == "hello":
+            threads = max(1, int(msg.get("threads", config.io_threads())))
+            if self._io is None:
+                self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}")
+            self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
+                        "version": remote.VERSION})
+        elif op == "arena":
+            nbytes = int(msg["nbytes"])
+            self._next_segment += 1
+            seg = Segment.create(nbytes, f"{self.agent.node}-{self.pid}")
+            self.segments[self._next_segment] = seg
+            self._unmapped.add(seg.path)
+            self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
+                        "path": seg.path})
+        elif op == "mapped":
+            self._unmapped.discard(self.segments[int(msg["segment"])].path)
+        elif op == "free":
+            self.segments.pop(int(msg["segment"]), None)  # a job still using it holds it
+        elif op == "save":
+            # the trainer does not wait for an answer: a job that does not decode fails
+            # through its "failed" reply
+            seg = self.segments[int(msg["segment"])]
+            run = str(msg["job"]["commit"]["run_id"])
+            self.agent.job_started(run)
+            self._jobs.submit(self._run, int(msg["id"]), run, msg, seg)
+        elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
+            threading.Thread(target=self._drained,
+                             args=(rid, str(msg["run"]), float(msg["timeout_s"])),
+                             daemon=True).start()
+        elif op == "stop":
+            self.agent.stopping.set()
+            self.reply({"id": rid, "op": "stopping"})
+        else:
+            raise ValueError(f"unknown request {op!r}")
+
+    def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
+        left = self.agent.wait_idle(timeout_s, but=run)
+        self.reply({"id": rid, "op": "drained", "busy": left})
+
+    def _run(self, rid: int, run: str, msg: dict[str, Any], seg: Segment) -> None:
+        share = msg["job"].get("share", {})
+        what = f"rank {share.get('rank')} step {share.get('step')}"
+        try:
+            assert self._io is not None, "hello first"
+            job = remote.decode(msg["job"], seg.tensor)
+            out = remote.run(self.agent.storage(msg["storage"]), self._io, job, seg.tensor)
+            log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
+                     out["write_s"], ", committed" if job.share.rank == 0 else "")
+            self.reply({"id": rid, "op": "done", **out})
+        except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
+            log.error("ckptd agent: %s failed: %s", what, e)
+            self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
+        finally:
+            self.agent.job_ended(run)
+
+
+def main(node: str, directory: str, idle_exit_s: float) -> int:
+    return Agent(node, directory, idle_exit_s).run()
+
+
+__all__ = ["Agent", "main"]

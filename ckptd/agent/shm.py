@@ -1,0 +1,70 @@
+"""Staging memory shared by the trainer and its node agent.
+
+The agent creates each segment (``/dev/shm``, owner-only, ``O_EXCL``) and backs it with real
+pages (``posix_fallocate``: a full ``/dev/shm`` is an error here, not a SIGBUS in the middle of a
+copy); the trainer maps it and removes its name at once, so nothing is left behind if both die.
+Each side keeps its own mapping for as long as it needs the bytes: the agent until the files are
+written, the trainer until its save is committed (it writes the same memory itself if the agent
+is lost).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import torch
+
+from ckptd.errors import StorageError
+
+
+def _root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+class Segment:
+    """One mapping of a shared-memory file; ``tensor`` is a uint8 view of all of it."""
+
+    def __init__(self, path: str, nbytes: int, mm: mmap.mmap) -> None:
+        self.path, self.nbytes, self._mm = path, nbytes, mm
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+    @classmethod
+    def create(cls, nbytes: int, tag: str) -> Segment:
+        path = os.path.join(_root(), f"ckptd-{os.getuid()}-{tag}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                os.unlink(path)
+                raise StorageError(f"{path}: cannot reserve {nbytes} bytes of shared memory: "
+                                   f"{e.strerror}") from e
+            return cls(path, nbytes, mmap.mmap(fd, nbytes))
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> Segment:
+        """Map a segment the agent created; its name is removed once mapped."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size < nbytes:
+                raise StorageError(f"{path}: not a private shared-memory segment of "
+                                   f"{nbytes} bytes")
+            return cls(path, nbytes, mmap.mmap(fd, nbytes))
+        finally:
+            os.close(fd)
+            unlink(path)
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["Segment", "unlink"]

@@ -1,0 +1,165 @@
+"""A save's background half as data, for the node agent (:mod:`ckptd.agent`): what another
+process needs to write one rank's staged arena, its partial manifest and (on rank 0) the commit.
+
+The Saver stages into shared memory it got from an :class:`Offload`, describes the job with
+:func:`encode` (JSON: names, boxes, arena offsets, the commit's parameters; never tensor data)
+and hands it over; the agent rebuilds the file plans with :func:`decode` over its own mapping of
+the same memory and runs :func:`run` — the same writer, partial and commit as in process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ckptd.errors import CkptdError
+from ckptd.manifest import TensorEntry
+from ckptd.manifest.schema import dtype_from_name, dtype_name
+from ckptd.regions import Box
+from ckptd.sharding import Piece
+from ckptd.storage import Storage
+from ckptd.writer import commit, retention
+from ckptd.writer.pack import FilePlan, Slot
+from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
+from ckptd.writer.signals import Signals
+from ckptd.writer.staging import Arena, StagingPool
+
+VERSION = 1
+
+
+class AgentLost(CkptdError):
+    """The node agent died or stopped answering; the save continues in this process."""
+
+
+class Ticket(Protocol):
+    def wait(self) -> dict[str, Any]:
+        """The agent's reply once its part is done (``{"nbytes", "write_s"}``); raises
+        :class:`AgentLost`, or :class:`CkptdError` with the agent's reason."""
+
+
+class Offload(Protocol):
+    """Where staging memory comes from and the background half goes (the node agent)."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over shared memory the agent can read too."""
+
+    def submit(self, arena: torch.Tensor, job: dict[str, Any]) -> Ticket:
+        """Hand ``job`` over; returns once the agent holds it (raises :class:`AgentLost`)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What the commit needs besides the partials."""
+
+    run_id: str
+    generation: int
+    overwrite: bool
+    keep_last: int
+
+
+def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int,
+           commit_: Commit) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "share": {
+            "step": share.step, "attempt": share.attempt, "rank": share.rank,
+            "world_size": share.world_size,
+            "declared": {n: [dtype_name(e.dtype), list(e.shape)]
+                         for n, e in share.declared.items()},
+            "values": share.values, "locals": share.locals, "training": share.training,
+        },
+        "nbytes": rnd.nbytes,
+        "files": [{"index": p.index, "start": p.start, "end": p.end,
+                   "slots": [[s.piece.name, list(s.piece.box.offsets), list(s.piece.box.sizes),
+                              s.offset, s.nbytes] for s in p.slots]} for p in rnd.plans],
+        "codec": codec, "level": level, "frame_bytes": frame_bytes,
+        "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
+                   "overwrite": commit_.overwrite, "keep_last": commit_.keep_last},
+    }
+
+
+@dataclass
+class Job:
+    share: Share
+    round: Round
+    codec: str
+    level: int
+    commit: Commit
+
+
+def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
+    """The job ``doc`` describes, its pieces viewing ``arena`` (the staged bytes). Every offset
+    is checked against the arena: a job that points outside it is refused, not followed."""
+    if doc.get("version") != VERSION:
+        raise CkptdError(f"agent job version {doc.get('version')!r}, expected {VERSION}")
+    s = doc["share"]
+    declared = {n: TensorEntry(dtype_from_name(d, n), tuple(int(x) for x in shape))
+                for n, (d, shape) in s["declared"].items()}
+    plans = []
+    for f in doc["files"]:
+        slots = []
+        for name, offsets, sizes, offset, nbytes in f["slots"]:
+            entry = declared.get(name)
+            if entry is None:
+                raise CkptdError(f"agent job: slot for undeclared tensor {name!r}")
+            itemsize = entry.dtype.itemsize
+            if (nbytes != math.prod(sizes) * itemsize or offset < 0 or offset % itemsize
+                    or offset + nbytes > arena.numel()):
+                raise CkptdError(f"agent job: slot of {name!r} at {offset}+{nbytes} does not "
+                                 f"fit its box or the {arena.numel()}-byte arena")
+            view = arena[offset: offset + nbytes].view(entry.dtype).view(tuple(sizes))
+            box = Box(tuple(offsets), tuple(sizes))
+            slots.append(Slot(Piece(name, entry.shape, entry.dtype, box, view), offset, nbytes))
+        plans.append(FilePlan(f["index"], f["start"], f["end"], slots))
+    share = Share(s["step"], s["attempt"], s["rank"], s["world_size"], declared,
+                  s["values"], s["locals"], s["training"])
+    c = doc["commit"]
+    return Job(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
+               Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
+                      int(c["keep_last"])))
+
+
+def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor) -> dict[str, Any]:
+    """Write the files, the partial, and on rank 0 commit (then retention): the in-process
+    save's background half, in the agent. A failure before the partial is recorded for the
+    other ranks (and the files removed); the error is raised."""
+    share = job.share
+    writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level)
+    t0 = time.perf_counter()
+    try:
+        chunks = writer.write_round(share, Arena(arena), job.round, 0)
+        writer.write_partial(share, chunks)
+    except BaseException as e:
+        commit.record_failure(storage, Signals(None), share.step, share.attempt, share.rank, e)
+        writer.discard(share, len(job.round.plans))
+        raise
+    write_s = time.perf_counter() - t0
+    if share.rank == 0:
+        commit.coordinate(storage, share.step, share.attempt, share.world_size,
+                          job.commit.run_id, generation=job.commit.generation,
+                          overwrite=job.commit.overwrite)
+        if job.commit.keep_last > 0:
+            try:
+                retention.apply_retention(storage, job.commit.keep_last)
+            except OSError:
+                pass  # the trainer's next save retries; a commit is not failed by it
+    return {"nbytes": stored_bytes(chunks), "write_s": write_s}
+
+
+def pool_for(offload: Offload, slots: int) -> StagingPool:
+    """A staging pool whose arenas are the agent's shared memory."""
+    return StagingPool(slots, allocate=offload.allocate)
+
+
+__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "decode", "encode", "run",
+           "pool_for"]

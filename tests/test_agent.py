@@ -1,0 +1,311 @@
+"""The node agent (issue 13): real agent processes, real trainers killed with SIGKILL.
+
+Every test gets its own agent directory and node id; the fixture stops the agent it started and
+checks that no agent process is left."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.agent import wire
+from ckptd.agent.client import AgentClient
+
+N = 1 << 18  # 1 MiB of float32 per rank
+
+
+def _state(step: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"model": {"w": ckptd.Shard(torch.randn(N, generator=g), (2 * N,), (rank * N,)),
+                      "b": torch.full((16,), float(step))}}
+
+
+def _expected(step: int) -> torch.Tensor:
+    return torch.cat([_state(step, r)["model"]["w"].local for r in range(2)])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (our own child, not reaped yet) is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+
+
+class Agents:
+    def __init__(self, directory: str, node: str) -> None:
+        self.dir, self.node = directory, node
+        self.paths = wire.paths(node, directory)
+
+    def pid(self) -> int:
+        with open(self.paths["lock"]) as f:
+            return int(f.read())
+
+    def log(self) -> str:
+        with open(self.paths["log"]) as f:
+            return f.read()
+
+
+@pytest.fixture
+def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
+    d = tempfile.mkdtemp(prefix="ckag")  # short: a socket path has at most 107 bytes
+    node = f"n{os.getpid()}-{random.randrange(1 << 30)}"
+    monkeypatch.setenv("CKPTD_AGENT_DIR", d)
+    monkeypatch.setenv("CKPTD_NODE_ID", node)
+    a = Agents(d, node)
+    started: list[int] = []
+    try:
+        yield a
+    finally:
+        if os.path.exists(a.paths["lock"]) and os.path.getsize(a.paths["lock"]):
+            started.append(a.pid())
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+        try:
+            for pid in started:
+                _wait(lambda pid=pid: not _alive(pid), 30, f"agent {pid} to exit")
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        leftover = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
+                                  capture_output=True, text=True).stdout.split()
+        assert not [p for p in leftover if _alive(int(p))], "an agent is still running"
+
+
+def _load(root: str, step: int | None = None) -> tuple[int, dict]:
+    dst = {"model": {"w": torch.zeros(2 * N), "b": torch.zeros(16)}}
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        got = c.load(dst, step=step).step
+    return got, dst
+
+
+def _latest(root: str) -> int | None:
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        return c.latest_step()
+
+
+# ----------------------------------------------------------------------------- kill the trainers
+def _trainer(root: str, rank: int, run: str, steps: list[int], conn) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id=run, agent=True, keep_last=0)
+    assert c._saver is not None and c._saver.offload is not None, "no agent"
+    for i, step in enumerate(steps):
+        h = c.save_async(_state(step, rank), step=step)
+        if i < len(steps) - 1:
+            h.result()
+    conn.send("returned")
+    conn.recv()  # killed here
+
+
+def _kill_loop(root: str, agents: Agents, points: int, seed: int) -> None:
+    rng = random.Random(seed)
+    ctx = mp.get_context("fork")
+    step = 0
+    pids: set[int] = set()
+    for i in range(points):
+        steps = list(range(step + 1, step + 1 + rng.randint(1, 3)))
+        procs, conns = [], []
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_trainer, args=(root, rank, f"job{i}", steps, child))
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        for c in conns:  # both save_async calls returned
+            assert c.poll(120), "a trainer did not reach its last save"
+            assert c.recv() == "returned"
+        time.sleep(rng.uniform(0, 0.02))  # the kill point: 0-20 ms after save_async returned
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join()
+            assert p.exitcode == -signal.SIGKILL
+        pids.add(agents.pid())
+        # the agent commits the staged step without its trainers
+        _wait(lambda s=steps[-1]: _latest(root) == s, 60, f"step {steps[-1]} to commit")
+        got, dst = _load(root)
+        assert got == steps[-1]
+        assert torch.equal(dst["model"]["w"], _expected(got)), f"step {got} is torn"
+        assert torch.equal(dst["model"]["b"], torch.full((16,), float(got)))
+        step = steps[-1]
+    assert len(pids) == 1, "one agent serves every incarnation of the job"
+
+
+def test_sigkill_of_every_trainer_after_save_async_still_commits(tmp_path, agents):
+    _kill_loop(str(tmp_path / "root"), agents, points=3, seed=7)
+
+
+@pytest.mark.slow
+def test_sigkill_of_every_trainer_at_20_random_points(tmp_path, agents):
+    _kill_loop(str(tmp_path / "root"), agents, points=20, seed=13)
+
+
+# ----------------------------------------------------------------------------- lose the agent
+def _big(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(4 << 20, generator=g), "step": step}  # 16 MiB
+
+
+def _check(root: str, step: int) -> None:
+    dst = {"w": torch.zeros(4 << 20), "step": -1}
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        assert c.load(dst, step=step).step == step
+    assert torch.equal(dst["w"], _big(step)["w"])
+
+
+def test_sigkill_of_the_agent_mid_save_falls_back_and_loses_nothing(tmp_path, agents, caplog):
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
+        c.save(_big(1))
+        pid = agents.pid()
+        h = c.save_async(_big(2))  # the agent holds it now
+        os.kill(pid, signal.SIGKILL)
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            assert h.result().step == 2  # committed by the agent or, if it died first, by us
+            c.save(_big(3))  # in process from now on
+            c.save(_big(4))
+        lost = [r for r in caplog.records if "saving in process from now on" in r.message]
+        assert len(lost) == 1, "the loss is said once"
+        assert c._saver is not None and c._saver.offload is not None
+        assert not c._saver.offload.alive
+    for step in (1, 2, 3, 4):
+        _check(root, step)
+
+
+def test_an_agent_that_stops_answering_is_noticed_and_replaced_by_the_trainer(
+        tmp_path, agents, monkeypatch):
+    monkeypatch.setenv("CKPTD_AGENT_TIMEOUT_S", "1")
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
+        c.save(_big(1))
+        pid = agents.pid()
+        os.kill(pid, signal.SIGSTOP)  # hung: the socket stays open, nothing answers
+        try:
+            t0 = time.monotonic()
+            h = c.save_async(_big(2))
+            assert h.result().step == 2
+            assert time.monotonic() - t0 < 30
+            _wait(lambda: not _alive(pid), 10, "the hung agent to be killed")
+        finally:
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+    _check(root, 1)
+    _check(root, 2)
+
+
+# ----------------------------------------------------------------------------- who may connect
+def _as_nobody(path: str, conn) -> None:
+    import json
+    import socket
+    import struct
+
+    os.setgid(65534)
+    os.setuid(65534)
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+        conn.send(json.loads(s.recv(n, socket.MSG_WAITALL))["op"])
+    except OSError as e:
+        conn.send(f"error: {e}")
+
+
+def _connect_as_nobody(path: str) -> str:
+    parent, child = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=_as_nobody, args=(path, child))
+    p.start()
+    assert parent.poll(60)
+    out = parent.recv()
+    p.join()
+    return out
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_a_client_of_another_user_is_refused(tmp_path, agents):
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
+        c.save({"w": torch.ones(4)}, step=1)
+        # the directory keeps others out; open it up to reach the credentials check behind it
+        os.chmod(agents.dir, 0o755)
+        os.chmod(agents.paths["sock"], 0o666)
+        try:
+            assert _connect_as_nobody(agents.paths["sock"]) == "refused"
+        finally:
+            os.chmod(agents.dir, 0o700)
+        assert "refused a client of uid 65534" in agents.log()
+        c.save({"w": torch.ones(4)}, step=2)  # the agent still serves its own user
+
+
+def test_a_shared_agent_directory_is_refused(agents):
+    os.chmod(agents.dir, 0o777)
+    with pytest.raises(wire.Refused, match="private"):
+        AgentClient.connect({"url": "", "options": None}, threads=1)
+    os.chmod(agents.dir, 0o700)
+
+
+def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
+    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1, agent=True) as c:
+        client = c._saver.offload  # type: ignore[union-attr]
+        arena = client.allocate(4096)
+        job = {"version": 1, "share": {"step": 1, "attempt": "x-1", "rank": 0, "world_size": 1,
+                                       "declared": {"w": ["float32", [4096]]}, "values": {},
+                                       "locals": {}, "training": {}},
+               "nbytes": 4096, "files": [{"index": 0, "start": 0, "end": 16384,
+                                          "slots": [["w", [0], [4096], 0, 16384]]}],
+               "codec": "raw", "level": 0, "frame_bytes": 1 << 20,
+               "commit": {"run_id": "x", "generation": 1, "overwrite": False, "keep_last": 0}}
+        with pytest.raises(ckptd.CkptdError, match="does not fit"):
+            client.submit(arena, job).wait()
+        assert client.alive  # a bad request fails that request, not the agent
+
+
+def test_no_agent_unless_asked(tmp_path, agents, monkeypatch):
+    monkeypatch.delenv("CKPTD_AGENT", raising=False)
+    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1) as c:
+        assert c._saver is not None and c._saver.offload is None
+    assert not os.path.exists(agents.paths["sock"])
+
+
+def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):
+    cmd = [sys.executable, "-m", "ckptd.agent", "--node", agents.node, "--dir", agents.dir]
+    first = subprocess.Popen([*cmd, "--idle-exit", "120"], stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 0
+        assert "another agent serves node" in second.stderr
+        AgentClient.connect({"url": "", "options": None}, threads=1, start=False).stop_agent()
+        assert first.wait(timeout=30) == 0
+        assert not os.path.exists(agents.paths["sock"])
+        idle = subprocess.run([*cmd, "--idle-exit", "0.5"], capture_output=True, text=True,
+                              timeout=60)
+        assert idle.returncode == 0 and "idle for" in idle.stderr
+    finally:
+        if first.poll() is None:
+            first.kill()
