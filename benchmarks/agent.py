@@ -12,8 +12,11 @@ users' nodes are never idle), medians over ``--saves`` saves after a warm-up sav
 * **durable** (``save_async`` → every rank's ``result()``) next to the **write floor**: the same
   bytes written and fsync'd by the ranks directly.
 
-Restart from memory, peer copies and the compute-slowdown figure of issue 13 are not built yet
-(``docs/agent.md``, *What is not built*).
+and the **restart**: the newest step loaded at W - 1 ranks (a node lost, the job restarted
+smaller) from the agent's memory (``agent=True``) and from storage with a cold page cache
+(``agent=False``, caches dropped when this runs as root), with the bytes each took from memory.
+
+Peer copies and the compute-slowdown figure of issue 13 are not built yet (``docs/agent.md``).
 """
 
 from __future__ import annotations
@@ -88,6 +91,21 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
     return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:])}
 
 
+def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str, float]:
+    import ckptd
+
+    torch.set_num_threads(1)
+    state = common.build_state(size, rank, world)
+    for lf in state.leaves:
+        lf.local.zero_()
+    with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = ckpt.load(state.ckptd_tree(), strict=False)
+        took = _slowest(time.perf_counter() - t0)
+    return {"load": took, "read": r.nbytes_read, "memory": r.nbytes_from_memory}
+
+
 def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
     x = 0
     while not stop.is_set():
@@ -105,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     size = common.parse_size(args.size)
     rows = []
+    loads: list[tuple[str, list[dict[str, float]]]] = []
     with tempfile.TemporaryDirectory(prefix="ckptd-agent-", dir=args.dir or
                                      common.default_dir()) as root:
         agent_dir = tempfile.mkdtemp(prefix="ckab")
@@ -123,6 +142,14 @@ def main(argv: list[str] | None = None) -> None:
                         r = multirank.run(_saves, args.world, os.path.join(root, f"c{busy}"),
                                           size, args.saves, agent, timeout=1800)[0]
                         rows.append((busy, "agent" if agent else "in process", r, fl))
+                    if busy == 0:
+                        for agent in (True, False):
+                            cold = agent or common.drop_caches()
+                            ld = multirank.run(_loads, args.world - 1,
+                                               os.path.join(root, f"c{busy}"), size, agent,
+                                               timeout=1800)
+                            loads.append(("memory (agent)" if agent else
+                                          "storage" + (", cold cache" if cold else ""), ld))
                 finally:
                     stop.set()
                     for p in spinners:
@@ -144,6 +171,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× |")
+
+
+
+    if loads:
+        print(f"\nrestart at {args.world - 1} ranks: load of the newest step (slowest rank)\n")
+        print("| from | load | bytes read | from memory |\n|---|---:|---:|---:|")
+        for name, ld in loads:
+            read = sum(x["read"] for x in ld)
+            mem = sum(x["memory"] for x in ld)
+            print(f"| {name} | {ld[0]['load'] * 1e3:.0f} ms | {common.fmt_bytes(read)} | "
+                  f"{common.fmt_bytes(mem)} |")
 
 
 if __name__ == "__main__":

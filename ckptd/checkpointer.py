@@ -7,6 +7,7 @@ path.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
+from ckptd.storage.memory_tier import MemoryTier
 from ckptd.world import agree_run_id, dist_or_none, resolve_world
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
@@ -247,10 +249,28 @@ class Checkpointer:
             if found is not None:
                 return found
         described = describe(state, self.rank, self.world_size)
+        tier = self._memory_tier()
+        if tier is not None:
+            reader = Reader(tier, self.rank, self.world_size, self._io)
         result = (reader.load_named(described, step, strict) if step is not None
                   else reader.load_newest(described, strict, self._agreed_latest))
+        if tier is not None:
+            result = dataclasses.replace(result, nbytes_from_memory=tier.served)
         self._last_step = max(self._last_step or result.step, result.step)
         return result
+
+    def _memory_tier(self) -> MemoryTier | None:
+        """The node agent's copy of its newest steps, in front of the storage."""
+        offload = self._saver.offload if self._saver is not None else None
+        if offload is None or not offload.alive or self._saver is None or self._saver.busy():
+            return None  # with a save in flight, the agent may hand a kept arena back
+        try:
+            files = offload.kept()
+        except (CkptdError, OSError) as e:
+            log.warning("ckptd: rank %d: the node agent's memory is not readable: %s",
+                        self.rank, e)
+            return None
+        return MemoryTier(self.storage, files) if files else None
 
     def _agreed_latest(self) -> int | None:
         dist = dist_or_none()

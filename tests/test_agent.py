@@ -5,6 +5,7 @@ checks that no agent process is left."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import multiprocessing as mp
 import os
@@ -83,8 +84,10 @@ def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
     try:
         yield a
     finally:
-        if os.path.exists(a.paths["lock"]) and os.path.getsize(a.paths["lock"]):
-            started.append(a.pid())
+        for name in os.listdir(d):  # every node's agent (tests may simulate several nodes)
+            if name.endswith(".lock") and os.path.getsize(os.path.join(d, name)):
+                with open(os.path.join(d, name)) as f:
+                    started.append(int(f.read()))
         for pid in started:
             if _alive(pid):
                 os.kill(pid, signal.SIGTERM)
@@ -93,6 +96,8 @@ def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
                 _wait(lambda pid=pid: not _alive(pid), 30, f"agent {pid} to exit")
         finally:
             shutil.rmtree(d, ignore_errors=True)
+            for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
+                os.unlink(path)  # a killed agent's segments (the next agent would remove them)
         leftover = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
                                   capture_output=True, text=True).stdout.split()
         assert not [p for p in leftover if _alive(int(p))], "an agent is still running"
@@ -309,3 +314,158 @@ def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):
     finally:
         if first.poll() is None:
             first.kill()
+
+
+# ----------------------------------------------------------------------------- the memory tier
+def _save_on_node(root: str, rank: int, node: str, conn) -> None:
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    with ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True) as c:
+        c.save(_state(1, rank), step=1)
+    conn.send("saved")
+
+
+def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    n = 2 * N
+    a, b = rank * n // world, (rank + 1) * n // world  # uneven: 3 does not divide 2N evenly
+    dst = {"model": {"w": ckptd.Shard(torch.zeros(b - a), (n,), (a,)), "b": torch.zeros(16)}}
+    with ckptd.Checkpointer(root, rank=rank, world_size=world, run_id="second",
+                            agent=True) as c:
+        r = c.load(dst)
+    ok = torch.equal(dst["model"]["w"].local, _expected(1)[a:b]) and \
+        torch.equal(dst["model"]["b"], torch.full((16,), 1.0))
+    conn.send((ok, r.nbytes_read, r.nbytes_from_memory))
+
+
+def _ranks(target, args_of, world: int) -> list:
+    ctx = mp.get_context("fork")
+    out = []
+    procs = []
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(*args_of(rank), child))
+        p.start()
+        procs.append((p, parent))
+    for p, parent in procs:
+        assert parent.poll(120), "a rank did not finish"
+        out.append(parent.recv())
+        p.join()
+        assert p.exitcode == 0
+    return out
+
+
+def _data_bytes(root: str, step: int) -> dict[str, int]:
+    d = os.path.join(root, f"step-{step:09d}", "data")
+    return {os.path.join(dp, f): os.path.getsize(os.path.join(dp, f))
+            for dp, _, fs in os.walk(d) for f in fs if f.endswith(".bin")}
+
+
+def test_a_restart_at_another_world_size_loads_from_the_agents_memory(tmp_path, agents):
+    root = str(tmp_path / "root")
+    node = agents.node
+    _ranks(_save_on_node, lambda r: (root, r, node), 2)
+    files = _data_bytes(root, 1)
+    assert files
+    for path in files:  # storage no longer has the data: only memory can serve it
+        os.remove(path)
+    got = _ranks(_load_on, lambda r: (root, r, 3, node), 3)
+    for ok, nbytes, from_memory in got:
+        assert ok, "not bit-exact"
+        assert nbytes > 0 and from_memory == nbytes  # nothing from storage
+
+
+def test_a_lost_node_s_part_comes_from_storage_the_rest_from_memory(tmp_path, agents):
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
+    pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+    os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
+    _wait(lambda: not _alive(pid_b), 10, "node b's agent to die")
+    rank1 = {p: n for p, n in _data_bytes(root, 1).items() if "/r00001" in p}
+    assert rank1
+    got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
+    assert all(ok for ok, _, _ in got), "not bit-exact"
+    from_storage = [n - m for _, n, m in got]
+    # new rank 0 holds [0, 2N/3): old rank 0's, in memory (the 64-byte "b" may be rank 1's)
+    assert got[0][2] > 0 and from_storage[0] <= 64
+    # what storage served is rank 1's file: no rank read more than that from it
+    assert all(0 <= s <= sum(rank1.values()) for s in from_storage)
+    assert from_storage[2] > 0  # new rank 2 lies inside old rank 1's half
+
+
+def test_the_agent_keeps_the_newest_step_in_the_arena_it_was_staged_in(tmp_path, agents):
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
+        for step in range(1, 6):
+            c.save(_big(step))
+        # two arenas take turns: one holds the newest step, the next save stages into the other
+        assert c.pool.allocations == 2
+        dst = {"w": torch.zeros(4 << 20), "step": -1}
+        r = c.load(dst)
+        assert r.step == 5 and torch.equal(dst["w"], _big(5)["w"])
+        assert r.nbytes_read > 0 and r.nbytes_from_memory == r.nbytes_read
+        r = c.load(dst, step=4)  # older: memory holds only the newest
+        assert torch.equal(dst["w"], _big(4)["w"])
+        assert r.nbytes_from_memory == 0 and r.nbytes_from_storage == r.nbytes_read
+
+
+# ----------------------------------------------------------------------------- peer copies
+def _holds(root: str, node: str, rank: int) -> bool:
+    c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
+    try:
+        return any(f"/r{rank:05d}" in p for p in c.kept())
+    finally:
+        c.close()
+
+
+def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatch):
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
+    # each agent sends its node's part to the other (a ring of two), after the commit
+    _wait(lambda: _holds(root, a, 1) and _holds(root, b, 0), 60, "the peer copies")
+    pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+    os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
+    _wait(lambda: not _alive(pid_b), 10, "node b's agent to die")
+    for path in _data_bytes(root, 1):  # and storage cannot serve the data either
+        os.remove(path)
+    got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
+    for ok, nbytes, from_memory in got:
+        assert ok, "not bit-exact"
+        assert nbytes > 0 and from_memory == nbytes  # rank 1's part from node b's peer copy
+
+
+def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch, caplog):
+    import json
+
+    from ckptd.agent.peers import Outgoing, Replicator
+
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "the-right-one")
+    root = str(tmp_path / "root")
+    _ranks(_save_on_node, lambda r: (root, r, agents.node), 2)
+    with open(os.path.join(root, "_agents", f"{agents.node}.json")) as f:
+        me = json.load(f)
+    intruder = Replicator("intruder", b"a-wrong-guess", ("127.0.0.1", 1), 1, None)
+    item = Outgoing({"url": root, "options": None}, None, 0, 99,  # type: ignore[arg-type]
+                    {"step-000000099/data/x/r00000-0.bin": memoryview(b"x" * 64)}, lambda: None)
+    with pytest.raises(ConnectionError, match="refused this agent"):
+        intruder._send(me, item)
+    _wait(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
+    assert not _holds(root, agents.node, 0) or all(
+        "step-000000099" not in p for p in AgentClient.connect(
+            {"url": root, "options": None}, threads=1, start=False).kept())
+
+
+def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_window(
+        tmp_path, agents, monkeypatch, caplog):
+    monkeypatch.setenv("CKPTD_GRACE_S", "1e-9")  # any state takes longer than that
+    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1, agent=True) as c:
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            c.save(_big(1))
+            c.save(_big(2))
+    said = [r.message for r in caplog.records if "of SIGTERM grace" in r.message]
+    assert len(said) == 1, "said once"
+    assert "GB per node at" in said[0] and "CKPTD_JOB_SECRET" in said[0]

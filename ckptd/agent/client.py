@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from ckptd.agent import wire
-from ckptd.agent.shm import Segment
+from ckptd.agent.shm import Segment, map_readonly
 from ckptd.errors import CkptdError
 from ckptd.writer.remote import AgentLost
 
@@ -55,6 +56,9 @@ class AgentClient:
         self._done: dict[int, Future[dict[str, Any]]] = {}
         self._segments: dict[int, tuple[int, Segment]] = {}  # data_ptr -> (id, mapping)
         self._lost: AgentLost | None = None
+        self.keep = 0  # steps the agent keeps in memory: arenas it holds on to after a save
+        self.peers = False  # it copies them to peers (and holds an arena while it does)
+        self.on_release: Callable[[int], None] | None = None  # an arena is free again
         uid, self.pid = wire.peer_uid_pid(sock)
         if uid != os.getuid():
             sock.close()
@@ -83,9 +87,11 @@ class AgentClient:
         if sock is None:
             raise CkptdError(f"no ckptd agent answers at {paths['sock']} (log: {paths['log']})")
         client = cls(sock, storage, timeout_s)
-        hello = client._request({"op": "hello", "threads": threads})
+        hello = client._request({"op": "hello", "threads": threads, "storage": storage})
         if hello.get("op") == "refused":
             raise wire.Refused(str(hello.get("error")))
+        client.keep = int(hello.get("keep", 0))
+        client.peers = bool(hello.get("peers"))
         return client
 
     # ------------------------------------------------------------------ Offload
@@ -96,7 +102,6 @@ class AgentClient:
     def allocate(self, nbytes: int) -> torch.Tensor:
         reply = self._request({"op": "arena", "nbytes": nbytes})
         seg = Segment.attach(reply["path"], nbytes)
-        self._send({"op": "mapped", "segment": reply["segment"]})
         # fault the pages into this process now (reserve() or the first save), not during
         # a later save's copy: one write a page (they are zero already)
         seg.tensor[::4096].zero_()
@@ -118,6 +123,21 @@ class AgentClient:
         self._send({"op": "save", "id": rid, "segment": found[0], "storage": self._storage,
                     "job": job})
         return _Ticket(done)
+
+    def kept(self) -> dict[str, memoryview]:
+        """The data files of this root that the agent holds in memory (every rank of this node,
+        its newest steps): path -> bytes, mapped read-only."""
+        maps: dict[str, memoryview] = {}
+        out: dict[str, memoryview] = {}
+        for path, segment, start, end in self._request({"op": "kept", "storage": self._storage})[
+                "files"]:
+            try:
+                mem = maps.get(segment) or maps.setdefault(segment, map_readonly(segment))
+            except FileNotFoundError:  # replaced by a newer step meanwhile
+                continue
+            if 0 <= start <= end <= len(mem):
+                out[path] = mem[start:end]
+        return out
 
     def drain(self, run: str, timeout_s: float) -> int:
         """Wait until the agent runs no job of another run than ``run`` (a previous
@@ -182,12 +202,22 @@ class AgentClient:
                 return
             rid = msg.get("id")
             if rid is None:
-                continue  # a heartbeat
+                if msg.get("op") == "released":  # an arena it held while copying to a peer
+                    with self._lock:
+                        by_id = {i: s for i, s in self._segments.values()}
+                    for i in msg.get("segments", ()):
+                        if i in by_id and self.on_release is not None:
+                            self.on_release(by_id[i].tensor.data_ptr())
+                continue  # else a heartbeat
             with self._lock:
                 reply = self._replies.pop(rid, None)
                 done = self._done.pop(rid, None) if msg.get("op") in ("done", "failed") else None
             if done is not None:
                 if msg["op"] == "done":
+                    with self._lock:
+                        by_id = {i: s for i, s in self._segments.values()}
+                    msg["released"] = [by_id[i].tensor.data_ptr()
+                                       for i in msg.get("released", ()) if i in by_id]
                     done.set_result(msg)
                 else:
                     done.set_exception(CkptdError(f"{msg.get('kind')}: {msg.get('error')}"))

@@ -28,7 +28,10 @@ from typing import Any
 
 from ckptd import config
 from ckptd.agent import wire
-from ckptd.agent.shm import Segment, unlink
+from ckptd.agent.memory import Kept, Memory, OverBudget
+from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
+from ckptd.agent.shm import Segment, stale_segments, unlink
+from ckptd.manifest import codecs, layout
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import remote
 
@@ -36,8 +39,13 @@ log = logging.getLogger("ckptd.agent")
 
 
 class Agent:
-    def __init__(self, node: str, directory: str, idle_exit_s: float = 600.0) -> None:
+    def __init__(self, node: str, directory: str, idle_exit_s: float = 600.0,
+                 keep_in_memory: int = 1, budget: int | None = None) -> None:
         self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
+        self.keep_in_memory = keep_in_memory
+        self.memory = Memory(keep_in_memory, budget, self._give_back)
+        self.peers: PeerServer | None = None
+        self.replicator: Replicator | None = None
         self.paths = wire.paths(node, directory)
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -47,6 +55,10 @@ class Agent:
         self._runs: dict[str, int] = {}  # the same, by run id
         self._idle_since = time.monotonic()
         self._storages: dict[str, Storage] = {}
+        self._incoming: dict[int, Segment] = {}  # peer copies being received
+        self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
+        self._write_bps = 0.0  # measured: the newest job's files over their write time
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -59,6 +71,9 @@ class Agent:
             return 0
         os.ftruncate(lock_fd, 0)
         os.write(lock_fd, str(os.getpid()).encode())
+        for path in stale_segments(self.node):  # a killed agent's; we hold the node's lock
+            unlink(path)
+        self._start_peers()
         unlink(self.paths["sock"])  # a dead agent's; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -84,9 +99,72 @@ class Agent:
             listener.close()
             unlink(self.paths["sock"])
             self._drain()
+            if self.peers is not None:
+                self.peers.close()
+            self.memory.close()
             os.close(lock_fd)
         log.info("ckptd agent %d stopped", os.getpid())
         return 0
+
+    def _start_peers(self) -> None:
+        secret = job_secret()
+        if secret is None:
+            log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
+            return
+        self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
+                                self._peer_accept, self._peer_stored)
+        rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
+        self.replicator = Replicator(self.node, secret, self.peers.address,
+                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate)
+        log.info("ckptd agent: peer copies on, listening at %s:%d", *self.peers.address)
+
+    def _peer_accept(self, header: dict[str, Any], total: int) -> memoryview | None:
+        try:
+            seg = self.memory.create(max(total, 1), f"{self.node}+peer")
+        except (OverBudget, OSError) as e:
+            log.warning("ckptd agent: no room for node %s's copy of rank %s step %s: %s",
+                        header.get("origin"), header.get("rank"), header.get("step"), e)
+            return None
+        self._incoming[id(header)] = seg
+        return seg.view()[:total]
+
+    def _peer_stored(self, header: dict[str, Any], into: memoryview) -> None:
+        seg = self._incoming.pop(id(header))
+        files, at = {}, 0
+        for path, n in header["files"].items():
+            files[str(path)] = (at, at + int(n))
+            at += int(n)
+        released = self.memory.keep(header["spec"], int(header["rank"]),
+                                    Kept(int(header["step"]), seg, files, None, -1))
+        assert not released
+        log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes)", header["origin"],
+                 header["rank"], header["step"], at)
+
+    def grace_check(self, spec: dict[str, Any], rank: int, nbytes: int,
+                    write_s: float) -> str | None:
+        """Whether this node's state under ``spec`` can be written inside the SIGTERM grace
+        window at the bandwidth just measured; the warning, once per root, if not."""
+        root = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            self._state[(root, rank)] = nbytes
+            if write_s > 0:
+                self._write_bps = nbytes / write_s
+            node = sum(n for (r, _), n in self._state.items() if r == root)
+            bps = self._write_bps
+        grace = float(os.environ.get("CKPTD_GRACE_S", "30"))
+        need = node / bps if bps else 0.0
+        if need <= grace or root in self._warned:
+            return None
+        self._warned.add(root)
+        advice = ("the peer copies keep it safe if this node is lost" if self.replicator else
+                  "set CKPTD_JOB_SECRET to keep a peer copy")
+        msg = (f"{node / 1e9:.1f} GB per node at {bps / 1e9:.2f} GB/s needs {need:.0f} s > "
+               f"{grace:.0f} s of SIGTERM grace: {advice}")
+        log.warning("ckptd agent: %s", msg)
+        return msg
+
+    def _give_back(self, owner: Any, seg_id: int) -> None:
+        owner.reply({"op": "released", "segments": [seg_id]})
 
     def _maybe_idle_exit(self) -> None:
         with self._lock:
@@ -162,7 +240,6 @@ class Session:
     def __init__(self, agent: Agent, conn: socket.socket, pid: int) -> None:
         self.agent, self.conn, self.pid = agent, conn, pid
         self.segments: dict[int, Segment] = {}
-        self._unmapped: set[str] = set()  # created, not yet mapped (and unlinked) by the client
         self._send_lock = threading.Lock()
         self._open = True
         self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"ckptd-job-{pid}")
@@ -197,8 +274,10 @@ class Session:
             with self._send_lock:
                 self._open = False
             self.conn.close()
-            for path in self._unmapped:
-                unlink(path)
+            self.agent.memory.orphan(self)
+            for seg in self.segments.values():  # names go; a job still using one maps it
+                if not self.agent.memory.is_kept(seg):
+                    self.agent.memory.forget(seg)
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
             self.agent.session_ended(self)
 
@@ -210,51 +289,87 @@ class Session:
     def _handle(self, msg: dict[str, Any]) -> None:
         op, rid = msg.get("op"), msg.get("id")
         if op == "hello":
+            spec = msg.get("storage") or {}
+            if self.agent.replicator is not None and spec.get("url"):
+                # announced before the first save, so that every node's first copy finds its
+                # peers
+                self.agent.replicator.register(self.agent.storage(spec))
             threads = max(1, int(msg.get("threads", config.io_threads())))
             if self._io is None:
                 self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}")
             self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
-                        "version": remote.VERSION})
+                        "version": remote.VERSION, "keep": self.agent.keep_in_memory,
+                        "peers": self.agent.replicator is not None})
         elif op == "arena":
             nbytes = int(msg["nbytes"])
             self._next_segment += 1
-            seg = Segment.create(nbytes, f"{self.agent.node}-{self.pid}")
+            seg = self.agent.memory.create(nbytes, f"{self.agent.node}+{self.pid}")
             self.segments[self._next_segment] = seg
-            self._unmapped.add(seg.path)
             self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
                         "path": seg.path})
-        elif op == "mapped":
-            self._unmapped.discard(self.segments[int(msg["segment"])].path)
         elif op == "free":
-            self.segments.pop(int(msg["segment"]), None)  # a job still using it holds it
+            freed = self.segments.pop(int(msg["segment"]), None)  # a job using it holds it
+            if freed is not None and not self.agent.memory.is_kept(freed):
+                self.agent.memory.forget(freed)
         elif op == "save":
             # the trainer does not wait for an answer: a job that does not decode fails
             # through its "failed" reply
             seg = self.segments[int(msg["segment"])]
             run = str(msg["job"]["commit"]["run_id"])
             self.agent.job_started(run)
-            self._jobs.submit(self._run, int(msg["id"]), run, msg, seg)
+            self._jobs.submit(self._run, int(msg["id"]), run, msg, int(msg["segment"]))
         elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
             threading.Thread(target=self._drained,
                              args=(rid, str(msg["run"]), float(msg["timeout_s"])),
                              daemon=True).start()
+        elif op == "kept":
+            self.reply({"id": rid, "op": "kept", "files": self.agent.memory.files(msg["storage"])})
         elif op == "stop":
             self.agent.stopping.set()
             self.reply({"id": rid, "op": "stopping"})
         else:
             raise ValueError(f"unknown request {op!r}")
 
+    def _keep(self, spec: dict[str, Any], storage: Storage, job: remote.Job, seg: Segment,
+              seg_id: int) -> Kept | None:
+        """The memory tier's copy of this step: the arena itself (no copy), and its peer
+        copies. Only uncompressed files: there the arena range is the file."""
+        if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
+            return None
+        share = job.share
+        step_dir = layout.step_dir(share.step)
+        files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
+                 (p.start, p.end) for p in job.round.plans}
+        kept = Kept(share.step, seg, files, self, seg_id)
+        rep = self.agent.replicator
+        if rep is not None:
+            rep.register(storage)
+            mem = seg.view()
+            self.agent.memory.replicating(kept, +1)
+            rep.submit(Outgoing(spec, storage, share.rank, share.step,
+                                {p: mem[a:b] for p, (a, b) in files.items()},
+                                lambda: self.agent.memory.replicating(kept, -1)))
+        return kept
+
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
         left = self.agent.wait_idle(timeout_s, but=run)
         self.reply({"id": rid, "op": "drained", "busy": left})
 
-    def _run(self, rid: int, run: str, msg: dict[str, Any], seg: Segment) -> None:
+    def _run(self, rid: int, run: str, msg: dict[str, Any], seg_id: int) -> None:
         share = msg["job"].get("share", {})
         what = f"rank {share.get('rank')} step {share.get('step')}"
         try:
             assert self._io is not None, "hello first"
+            seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
-            out = remote.run(self.agent.storage(msg["storage"]), self._io, job, seg.tensor)
+            storage = self.agent.storage(msg["storage"])
+            out = remote.run(storage, self._io, job, seg.tensor)
+            out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
+                                                    out["nbytes"], out["write_s"])
+            kept = self._keep(msg["storage"], storage, job, seg, seg_id)
+            out["kept"] = kept is not None
+            out["released"] = (self.agent.memory.keep(msg["storage"], job.share.rank, kept)
+                               if kept is not None else [])
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
                      out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})
@@ -265,8 +380,9 @@ class Session:
             self.agent.job_ended(run)
 
 
-def main(node: str, directory: str, idle_exit_s: float) -> int:
-    return Agent(node, directory, idle_exit_s).run()
+def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,
+         budget: int | None = None) -> int:
+    return Agent(node, directory, idle_exit_s, keep_in_memory, budget).run()
 
 
 __all__ = ["Agent", "main"]

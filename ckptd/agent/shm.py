@@ -2,10 +2,11 @@
 
 The agent creates each segment (``/dev/shm``, owner-only, ``O_EXCL``) and backs it with real
 pages (``posix_fallocate``: a full ``/dev/shm`` is an error here, not a SIGBUS in the middle of a
-copy); the trainer maps it and removes its name at once, so nothing is left behind if both die.
-Each side keeps its own mapping for as long as it needs the bytes: the agent until the files are
-written, the trainer until its save is committed (it writes the same memory itself if the agent
-is lost).
+copy). The name stays while the segment is a trainer's arena or the memory tier's copy of a step
+(a loader maps it by name) and is removed by the agent after that — or, if the agent was killed,
+by the next agent of the node at start-up. Each side keeps its own mapping for as long as it
+needs the bytes: the agent until the files are written, the trainer until its save is committed
+(it writes the same memory itself if the agent is lost).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class Segment:
         self.path, self.nbytes, self._mm = path, nbytes, mm
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
+    def view(self) -> memoryview:
+        """The whole segment as bytes."""
+        return memoryview(self._mm)
+
     @classmethod
     def create(cls, nbytes: int, tag: str) -> Segment:
         path = os.path.join(_root(), f"ckptd-{os.getuid()}-{tag}-{secrets.token_hex(8)}")
@@ -47,7 +52,7 @@ class Segment:
 
     @classmethod
     def attach(cls, path: str, nbytes: int) -> Segment:
-        """Map a segment the agent created; its name is removed once mapped."""
+        """Map a segment the agent created (its name is the agent's to remove)."""
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
@@ -57,7 +62,33 @@ class Segment:
             return cls(path, nbytes, mmap.mmap(fd, nbytes))
         finally:
             os.close(fd)
-            unlink(path)
+
+
+def map_readonly(path: str) -> memoryview:
+    """A read-only mapping of a kept segment (its name stays: the agent owns it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise StorageError(f"{path}: not a private shared-memory segment")
+        if not st.st_size:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
+
+
+def shm_free() -> int:
+    """Free bytes where segments are created."""
+    st = os.statvfs(_root())
+    return st.f_bavail * st.f_frsize
+
+
+def stale_segments(node: str) -> list[str]:
+    """The names of the segments an agent of ``node`` created (its tag starts ``<node>+``)."""
+    prefix = f"ckptd-{os.getuid()}-{node}+"
+    root = _root()
+    return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(prefix)]
 
 
 def unlink(path: str) -> None:
@@ -67,4 +98,4 @@ def unlink(path: str) -> None:
         pass
 
 
-__all__ = ["Segment", "unlink"]
+__all__ = ["Segment", "map_readonly", "shm_free", "stale_segments", "unlink"]

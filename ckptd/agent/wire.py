@@ -77,10 +77,10 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def recv(sock: socket.socket) -> dict[str, Any]:
+def recv(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
     (n,) = _HEADER.unpack(_exactly(sock, _HEADER.size))
-    if n > MAX_MESSAGE:
-        raise ConnectionError(f"a message of {n} bytes is over the {MAX_MESSAGE}-byte limit")
+    if n > limit:
+        raise ConnectionError(f"a message of {n} bytes is over the {limit}-byte limit")
     msg = json.loads(_exactly(sock, n))
     if not isinstance(msg, dict):
         raise ConnectionError("a message that is not a JSON object")

@@ -260,8 +260,9 @@ class StorageBase(ABC):
         return 0
 
 
-class _Extended(StorageBase):
-    """An object with only the eight :class:`Storage` methods, given the defaults."""
+class Delegating(StorageBase):
+    """Every method of another storage (an object with only the eight :class:`Storage`
+    methods is given the defaults); subclasses override what they change."""
 
     def __init__(self, inner: Storage) -> None:
         self.inner, self.url = inner, inner.url
@@ -293,7 +294,7 @@ class _Extended(StorageBase):
 
 def extended(storage: Storage) -> StorageBase:
     """``storage`` with every optional method: itself for a :class:`StorageBase`."""
-    return storage if isinstance(storage, StorageBase) else _Extended(storage)
+    return storage if isinstance(storage, StorageBase) else Delegating(storage)
 
 
 def poll_interval(storage: Storage) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,12 +39,18 @@ class AgentLost(CkptdError):
 
 class Ticket(Protocol):
     def wait(self) -> dict[str, Any]:
-        """The agent's reply once its part is done (``{"nbytes", "write_s"}``); raises
+        """The agent's reply once its part is done: ``nbytes``, ``write_s``; ``kept``: the
+        agent holds on to the arena (the memory tier's copy of the step); ``released``: the
+        ``data_ptr`` of arenas it let go of, free for the next saves. Raises
         :class:`AgentLost`, or :class:`CkptdError` with the agent's reason."""
 
 
 class Offload(Protocol):
     """Where staging memory comes from and the background half goes (the node agent)."""
+
+    keep: int  # steps the agent keeps in memory, each in the arena it was staged in
+    peers: bool  # it copies them to peers: one more arena held while a copy is sent
+    on_release: Callable[[int], None] | None  # the agent gave back the arena at data_ptr
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over shared memory the agent can read too."""
@@ -55,6 +62,9 @@ class Offload(Protocol):
     def alive(self) -> bool: ...
 
     def close(self) -> None: ...
+
+    def kept(self) -> dict[str, memoryview]:
+        """Data files of this root held in the agent's memory: path -> bytes."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,9 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor)
 
 def pool_for(offload: Offload, slots: int) -> StagingPool:
     """A staging pool whose arenas are the agent's shared memory."""
-    return StagingPool(slots, allocate=offload.allocate)
+    pool = StagingPool(slots + offload.keep + int(offload.peers), allocate=offload.allocate)
+    offload.on_release = pool.release_buffer
+    return pool
 
 
 __all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "decode", "encode", "run",

@@ -94,6 +94,7 @@ class _Job:
     futures: list[Future[list[tuple[str, Chunk]]]] | None = None  # files being written
     t_write: float = float("inf")  # when the first file was handed to an I/O thread
     pool: StagingPool | None = None  # where ``arena`` goes back to
+    kept: bool = False  # the agent holds on to the arena (it gives it back in a later reply)
     ticket: Ticket | None = None  # the agent holds the job
 
 
@@ -199,7 +200,12 @@ class Saver:
     def reserve(self, described: Described) -> int:
         """Allocate (and fault in) the staging memory ``described`` will need."""
         need = max(r.nbytes for r in self.plan(described))
-        self.pool.release(self.pool.acquire(need))
+        # with the node agent, one more arena per step it keeps (it holds on to the arena) and
+        # one while it copies a step to a peer
+        extra = self.offload.keep + int(self.offload.peers) if self.offload is not None else 0
+        arenas = [self.pool.acquire(need) for _ in range(1 + extra)]
+        for arena in arenas:
+            self.pool.release(arena)
         return need
 
     def _stage(self, job: _Job) -> None:
@@ -213,8 +219,13 @@ class Saver:
                 self.options.host_budget_bytes, len(rounds))
             job.chunks = self._writer.write_rounds(share, rounds, codec=job.codec)
         else:
-            job.pool = self.pool
-            job.arena = job.pool.acquire(rounds[0].nbytes)
+            try:
+                job.pool = self.pool
+                job.arena = job.pool.acquire(rounds[0].nbytes)
+            except AgentLost as e:  # it died or hangs: this save and the next stage here
+                self._agent_lost(e)
+                job.pool = self.pool
+                job.arena = job.pool.acquire(rounds[0].nbytes)
             if self.options.debug_overlap:
                 buffer, plans = job.arena.buffer, rounds[0].plans
                 job.handle.on_wait_staged.append(lambda: check_unmodified(plans, buffer))
@@ -259,6 +270,7 @@ class Saver:
             log.warning("ckptd: rank %d: %s; saving in process from now on",
                         self.options.rank, error)
             self._local_pool = self.pool = StagingPool(self.max_inflight)
+            self._writer.pool = self._local_pool
 
     def _finish_on_agent(self, job: _Job) -> int | None:
         """Wait for the agent's part (files, partial and, on rank 0, the commit). Its stored
@@ -278,6 +290,12 @@ class Saver:
             return None
         if self.auto is not None:
             self.auto.observe_write(int(reply["nbytes"]), float(reply["write_s"]), job.codec)
+        job.kept = bool(reply.get("kept"))
+        if reply.get("warning"):
+            log.warning("ckptd: node agent: %s", reply["warning"])
+        if job.pool is not None:
+            for ptr in reply.get("released", ()):
+                job.pool.release_buffer(ptr)
         return int(reply["nbytes"])
 
     def _abandon(self, job: _Job, error: BaseException) -> None:
@@ -313,7 +331,7 @@ class Saver:
                     if self.auto is not None:
                         self._observe(job, time.perf_counter() - job.t_write)
             finally:
-                if job.arena is not None and job.pool is not None:
+                if job.arena is not None and job.pool is not None and not job.kept:
                     job.pool.release(job.arena)  # every write that reads it has returned
             if job.ticket is None or job.futures is not None:
                 self._writer.write_partial(share, job.chunks)
@@ -379,6 +397,10 @@ class Saver:
                 log.warning("ckptd: could not append metrics: %s", e)
 
     # ------------------------------------------------------------------ waiting
+    def busy(self) -> bool:
+        """A save is in flight."""
+        return any(not h.done() for h in self._handles)
+
     def raise_pending(self) -> None:
         """Raise the first background error not yet raised to the caller."""
         for h in self._handles:

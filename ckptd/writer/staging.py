@@ -80,6 +80,14 @@ class StagingPool:
             arena.in_use = False
             self._cond.notify_all()
 
+    def release_buffer(self, data_ptr: int) -> None:
+        """Release the arena whose buffer starts at ``data_ptr`` (one the node agent held)."""
+        with self._cond:
+            for a in self._arenas:
+                if a.buffer.data_ptr() == data_ptr:
+                    a.in_use = False
+            self._cond.notify_all()
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
         if self._allocate_with is not None:

@@ -1,0 +1,140 @@
+"""What a node agent holds in host memory, under one budget: the trainers' arenas, the newest
+steps it keeps (each in the arena it was staged in) and the peer copies it received.
+
+A kept step belongs to its trainer's session until that session ends (then to the agent alone);
+when a newer step of the same rank is kept, the older one is dropped: given back to its trainer
+(the arena is staged into again) or, if the trainer is gone, removed. A step that is still being
+sent to a peer is given back only once the copy is sent.
+
+The budget counts every segment the agent created and has not removed. An arena over it is
+refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
+skipped. ``docs/agent.md`` gives the multiplier: per rank ``max_inflight + keep_in_memory``
+arenas (one more while a peer copy is being sent), plus the peer copies received.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.agent.shm import Segment, unlink
+from ckptd.errors import CkptdError
+
+
+class OverBudget(CkptdError, MemoryError):
+    """The agent's memory budget cannot hold this segment."""
+
+
+@dataclass(eq=False)
+class Kept:
+    step: int
+    segment: Segment
+    files: dict[str, tuple[int, int]]  # path -> [start, end) in the segment
+    owner: Any | None  # the session whose arena it is; None: the agent's alone
+    seg_id: int  # the arena's id in that session
+    replicating: int = 0  # peer copies being sent from it
+    dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
+
+
+def root_key(spec: dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+class Memory:
+    def __init__(self, keep: int, budget: int | None,
+                 give_back: Callable[[Any, int], None]) -> None:
+        """``give_back(owner, seg_id)``: tell a live session that its arena is free again."""
+        self.keep_n, self.budget, self._give_back = keep, budget, give_back
+        self.used = 0
+        self._kept: dict[tuple[str, int], list[Kept]] = {}  # (root, rank) -> newest last
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ segments
+    def create(self, nbytes: int, tag: str, *, drop_orphans: bool = True) -> Segment:
+        with self._lock:
+            if self.budget is not None and self.used + nbytes > self.budget and drop_orphans:
+                self._drop_orphans_locked()
+            if self.budget is not None and self.used + nbytes > self.budget:
+                raise OverBudget(f"{nbytes} bytes more would put the agent at "
+                                 f"{self.used + nbytes} of its {self.budget}-byte budget")
+            self.used += nbytes
+        try:
+            return Segment.create(nbytes, tag)
+        except BaseException:
+            with self._lock:
+                self.used -= nbytes
+            raise
+
+    def forget(self, segment: Segment) -> None:
+        """Remove a segment's name and stop counting it (mappings stay valid until dropped)."""
+        unlink(segment.path)
+        with self._lock:
+            self.used -= segment.nbytes
+
+    def _drop_orphans_locked(self) -> None:
+        for kept in self._kept.values():
+            for k in [k for k in kept if k.owner is None and not k.replicating]:
+                kept.remove(k)
+                unlink(k.segment.path)
+                self.used -= k.segment.nbytes
+
+    # ------------------------------------------------------------------ kept steps
+    def keep(self, spec: dict[str, Any], rank: int, kept: Kept) -> list[int]:
+        """Keep ``kept`` as the newest step of ``rank``; the arenas of ``kept.owner`` that are
+        free again at once."""
+        with self._lock:
+            steps = self._kept.setdefault((root_key(spec), rank), [])
+            steps.append(kept)
+            dropped, steps[:] = steps[: -self.keep_n], steps[-self.keep_n:]
+            for k in dropped:
+                k.dropped = True
+        return [k.seg_id for k in dropped if self._release(k, kept.owner)]
+
+    def _release(self, k: Kept, caller: Any | None = None) -> bool:
+        """A dropped step's arena: True if it goes back to ``caller`` (the reply says so)."""
+        if k.replicating:
+            return False  # once the copy is sent
+        if k.owner is None:
+            self.forget(k.segment)
+            return False
+        if k.owner is caller:
+            return True
+        self._give_back(k.owner, k.seg_id)
+        return False
+
+    def replicating(self, k: Kept, delta: int) -> None:
+        with self._lock:
+            k.replicating += delta
+            done = k.dropped and not k.replicating
+        if done:
+            self._release(k)
+
+    def is_kept(self, segment: Segment) -> bool:
+        with self._lock:
+            return any(k.segment is segment for ks in self._kept.values() for k in ks)
+
+    def orphan(self, owner: Any) -> None:
+        """``owner``'s session ended: its kept steps are the agent's alone."""
+        with self._lock:
+            for k in [k for ks in self._kept.values() for k in ks if k.owner is owner]:
+                k.owner = None
+
+    def files(self, spec: dict[str, Any]) -> list[list[Any]]:
+        """``[path, segment, start, end]`` of every data file held for the root ``spec``."""
+        root = root_key(spec)
+        with self._lock:
+            return [[path, k.segment.path, a, b]
+                    for (r, _), ks in self._kept.items() if r == root
+                    for k in ks for path, (a, b) in k.files.items()]
+
+    def close(self) -> None:
+        with self._lock:
+            for k in [k for ks in self._kept.values() for k in ks]:
+                unlink(k.segment.path)
+            self._kept.clear()
+
+
+__all__ = ["Kept", "Memory", "OverBudget", "root_key"]

@@ -1,0 +1,209 @@
+"""Peer copies: each agent sends its node's newest steps to ``k`` other agents of the same job, so
+that a node lost with its memory is read from a peer's memory, not from storage.
+
+* **Who**: agents of one job share a secret (``$CKPTD_JOB_SECRET``, set by the launcher; there is
+  no default, and without it there are no peer copies). A connection starts with a challenge: the
+  receiver sends a random nonce, the sender answers ``HMAC-SHA256(secret, nonce)``; anything else
+  is refused. The data are not trusted either way: the loader verifies every frame's checksum.
+* **Where**: an agent that serves a root registers itself at ``_agents/<node>.json`` under that
+  root (host, port), and sends to the ``k`` nodes after its own in the sorted list of registered
+  nodes (a ring), ``$CKPTD_PEER_COPIES`` (default 1). Its address is ``$CKPTD_AGENT_HOST``
+  (default 127.0.0.1: set it to the node's cluster address).
+* **When**: after the step is written and the trainer told, on a thread of its own, at most
+  ``$CKPTD_PEER_RATE`` bytes/s (default unlimited): replication never delays a commit or the
+  trainer. A copy that does not fit the receiver's memory budget is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.agent import wire
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.agent")
+
+REGISTRY = "_agents"
+
+
+def job_secret() -> bytes | None:
+    s = os.environ.get("CKPTD_JOB_SECRET")
+    return s.encode() if s else None
+
+
+@dataclass
+class Outgoing:
+    """One rank's files of one step, to be sent to the peers."""
+
+    spec: dict[str, Any]
+    storage: Storage
+    rank: int
+    step: int
+    files: dict[str, memoryview]  # path -> bytes (views of the kept arena)
+    done: Callable[[], None]  # sent or given up: the arena may be used again
+
+
+def _recv_into(sock: socket.socket, into: memoryview) -> None:
+    got = 0
+    while got < len(into):
+        k = sock.recv_into(into[got:], len(into) - got)
+        if not k:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+
+
+class PeerServer:
+    """Receives peer copies: ``accept(header, read_into)`` stores one (or refuses it)."""
+
+    def __init__(self, secret: bytes, host: str,
+                 accept: Callable[[dict[str, Any], int], memoryview | None],
+                 stored: Callable[[dict[str, Any], memoryview], None]) -> None:
+        self.secret, self._accept, self._stored = secret, accept, stored
+        self.sock = socket.create_server((host, 0))
+        self.address = self.sock.getsockname()[:2]
+        threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
+
+    def _handle(self, conn: socket.socket, addr: Any) -> None:
+        with conn:
+            try:
+                conn.settimeout(60)
+                nonce = secrets.token_bytes(32)
+                wire.send(conn, {"nonce": nonce.hex()})
+                answer = wire.recv(conn, 4096).get("mac", "")  # before auth: small
+                expected = hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()
+                if not isinstance(answer, str) or not hmac.compare_digest(answer, expected):
+                    log.warning("ckptd agent: refused a peer at %s: not of this job", addr)
+                    wire.send(conn, {"ok": False, "error": "not of this job"})
+                    return
+                wire.send(conn, {"ok": True})
+                header = wire.recv(conn, 64 << 20)
+                total = sum(int(n) for n in header["files"].values())
+                into = self._accept(header, total)
+                wire.send(conn, {"ok": into is not None})
+                if into is None:
+                    return
+                _recv_into(conn, into[:total])
+                self._stored(header, into)
+                wire.send(conn, {"ok": True})
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("ckptd agent: a peer copy from %s failed: %s", addr, e)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Replicator:
+    """Sends each kept step to the next ``k`` registered nodes, one at a time, in the
+    background; a newer step of the same rank replaces one still waiting."""
+
+    def __init__(self, node: str, secret: bytes, address: tuple[str, int], k: int,
+                 rate: float | None) -> None:
+        self.node, self.secret, self.address, self.k, self.rate = node, secret, address, k, rate
+        self._queue: queue.Queue[Outgoing] = queue.Queue()
+        self._registered: set[str] = set()
+        self.sent = 0  # bytes, for tests and the log
+        threading.Thread(target=self._run, name="ckptd-replicate", daemon=True).start()
+
+    def register(self, storage: Storage) -> None:
+        """Announce this agent under the root (once per root)."""
+        if storage.url in self._registered:
+            return
+        doc = {"node": self.node, "host": self.address[0], "port": self.address[1],
+               "pid": os.getpid(), "time": time.time()}
+        storage.put_atomic(f"{REGISTRY}/{self.node}.json", json.dumps(doc).encode())
+        self._registered.add(storage.url)
+
+    def submit(self, item: Outgoing) -> None:
+        self._queue.put(item)
+
+    def peers(self, storage: Storage) -> list[dict[str, Any]]:
+        nodes = []
+        for name in sorted(storage.list_dir(REGISTRY)):
+            try:
+                doc = json.loads(storage.read_bytes(f"{REGISTRY}/{name}"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("node"), str):
+                nodes.append(doc)
+        names = [d["node"] for d in nodes]
+        if self.node not in names:
+            return []
+        i = names.index(self.node)
+        return nodes[i + 1:] + nodes[:i]  # the ring, from the next node on
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                copies = 0
+                for peer in self.peers(item.storage):  # the next k that take it
+                    if copies == self.k:
+                        break
+                    try:
+                        copies += self._send(peer, item)
+                    except (OSError, ValueError, KeyError) as e:
+                        log.warning("ckptd agent: no copy of rank %d step %d on node %s: %s",
+                                    item.rank, item.step, peer.get("node"), e)
+                if copies < self.k:
+                    log.warning("ckptd agent: rank %d step %d has %d of %d peer copies",
+                                item.rank, item.step, copies, self.k)
+            except Exception as e:  # noqa: BLE001 - a copy is a bonus: the step is durable
+                log.warning("ckptd agent: peer copy of rank %d step %d failed: %s", item.rank,
+                            item.step, e)
+            finally:
+                item.done()
+
+    def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
+        """One copy to ``peer``: True if it holds it now, False if it had no room."""
+        with socket.create_connection((peer["host"], int(peer["port"])), timeout=60) as s:
+            nonce = bytes.fromhex(wire.recv(s, 4096)["nonce"])
+            wire.send(s, {"mac": hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()})
+            if not wire.recv(s, 4096).get("ok"):
+                raise ConnectionError(f"node {peer['node']} refused this agent")
+            wire.send(s, {"spec": item.spec, "origin": self.node, "rank": item.rank,
+                          "step": item.step,
+                          "files": {p: len(m) for p, m in item.files.items()}})
+            if not wire.recv(s, 4096).get("ok"):
+                log.warning("ckptd agent: node %s has no room for rank %d step %d: skipped",
+                            peer["node"], item.rank, item.step)
+                return False
+            t0 = time.monotonic()
+            sent = 0
+            for mem in item.files.values():
+                for i in range(0, len(mem), 4 << 20):
+                    part = mem[i: i + (4 << 20)]
+                    s.sendall(part)
+                    sent += len(part)
+                    if self.rate:  # pace to the rate limit
+                        ahead = sent / self.rate - (time.monotonic() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
+            if not wire.recv(s, 4096).get("ok"):
+                raise ConnectionError(f"node {peer['node']} did not store the copy")
+            self.sent += sent
+            log.info("ckptd agent: rank %d step %d copied to node %s (%d bytes)", item.rank,
+                     item.step, peer["node"], sent)
+            return True
+
+
+__all__ = ["Outgoing", "PeerServer", "Replicator", "job_secret"]
