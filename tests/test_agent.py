@@ -469,3 +469,42 @@ def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_w
     said = [r.message for r in caplog.records if "of SIGTERM grace" in r.message]
     assert len(said) == 1, "said once"
     assert "GB per node at" in said[0] and "CKPTD_JOB_SECRET" in said[0]
+
+
+def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, agents, caplog):
+    cmd = [sys.executable, "-m", "ckptd.agent", "--node", agents.node, "--dir", agents.dir,
+           "--memory-budget", "1MiB"]
+    agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
+        root = str(tmp_path / "root")
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
+                c.save(_big(1))  # 16 MiB: over the budget
+                c.save(_big(2))
+        assert any("cannot hold" in r.message and "budget" in r.message
+                   for r in caplog.records)
+        _check(root, 1)
+        _check(root, 2)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+
+
+def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, monkeypatch):
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    a, b = agents.node, agents.node + "-b"
+    small = subprocess.Popen([sys.executable, "-m", "ckptd.agent", "--node", b, "--dir",
+                              agents.dir, "--memory-budget", "1.5MiB"],
+                             stderr=open(wire.paths(b, agents.dir)["log"], "ab"))
+    try:
+        _wait(lambda: os.path.exists(wire.paths(b, agents.dir)["sock"]), 60, "node b's agent")
+        root = str(tmp_path / "root")
+        _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)  # 1 MiB a rank
+        _wait(lambda: _holds(root, a, 1), 60, "node b's part on node a")
+        log_b = open(wire.paths(b, agents.dir)["log"]).read
+        _wait(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
+        assert not _holds(root, b, 0)
+    finally:
+        small.terminate()
+        small.wait(timeout=30)

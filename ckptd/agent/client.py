@@ -100,7 +100,13 @@ class AgentClient:
         return self._lost is None
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        reply = self._request({"op": "arena", "nbytes": nbytes})
+        try:
+            reply = self._request({"op": "arena", "nbytes": nbytes})
+        except AgentLost:
+            raise
+        except CkptdError as e:  # over its memory budget: this process saves by itself
+            self._lose(f"the node agent cannot hold a {nbytes}-byte arena: {e}")
+            raise self._lost or AgentLost(str(e)) from e
         seg = Segment.attach(reply["path"], nbytes)
         # fault the pages into this process now (reserve() or the first save), not during
         # a later save's copy: one write a page (they are zero already)

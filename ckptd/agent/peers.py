@@ -36,6 +36,7 @@ from ckptd.storage import Storage
 log = logging.getLogger("ckptd.agent")
 
 REGISTRY = "_agents"
+RETRY_S = 60.0  # how long a copy waits for peers to announce themselves
 
 
 def job_secret() -> bytes | None:
@@ -155,15 +156,7 @@ class Replicator:
         while True:
             item = self._queue.get()
             try:
-                copies = 0
-                for peer in self.peers(item.storage):  # the next k that take it
-                    if copies == self.k:
-                        break
-                    try:
-                        copies += self._send(peer, item)
-                    except (OSError, ValueError, KeyError) as e:
-                        log.warning("ckptd agent: no copy of rank %d step %d on node %s: %s",
-                                    item.rank, item.step, peer.get("node"), e)
+                copies = self._replicate(item)
                 if copies < self.k:
                     log.warning("ckptd agent: rank %d step %d has %d of %d peer copies",
                                 item.rank, item.step, copies, self.k)
@@ -172,6 +165,29 @@ class Replicator:
                             item.step, e)
             finally:
                 item.done()
+
+    def _replicate(self, item: Outgoing) -> int:
+        """Send ``item`` to the next ``k`` nodes of the ring that take it. Nodes that announce
+        themselves later (a job's agents start one by one) are waited for, with a growing
+        pause, for up to ``RETRY_S`` — or until a newer step is queued."""
+        copies, tried = 0, set()
+        deadline, pause = time.monotonic() + RETRY_S, 0.2
+        while True:
+            for peer in self.peers(item.storage):  # the next k that take it
+                if copies == self.k:
+                    return copies
+                if peer["node"] in tried:
+                    continue
+                tried.add(peer["node"])
+                try:
+                    copies += self._send(peer, item)
+                except (OSError, ValueError, KeyError) as e:
+                    log.warning("ckptd agent: no copy of rank %d step %d on node %s: %s",
+                                item.rank, item.step, peer.get("node"), e)
+            if copies >= self.k or time.monotonic() > deadline or not self._queue.empty():
+                return copies
+            time.sleep(pause)  # until another node announces itself
+            pause = min(2 * pause, 5.0)
 
     def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
         """One copy to ``peer``: True if it holds it now, False if it had no room."""

@@ -373,6 +373,7 @@ class Session:
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
                      out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})
+            remote.apply_retention(storage, job)
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})

@@ -140,9 +140,10 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
 
 
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor) -> dict[str, Any]:
-    """Write the files, the partial, and on rank 0 commit (then retention): the in-process
-    save's background half, in the agent. A failure before the partial is recorded for the
-    other ranks (and the files removed); the error is raised."""
+    """Write the files, the partial, and on rank 0 commit: the in-process save's background
+    half, in the agent (:func:`apply_retention` after the trainer is told). A failure before
+    the partial is recorded for the other ranks (and the files removed); the error is
+    raised."""
     share = job.share
     writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level)
     t0 = time.perf_counter()
@@ -158,12 +159,17 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor)
         commit.coordinate(storage, share.step, share.attempt, share.world_size,
                           job.commit.run_id, generation=job.commit.generation,
                           overwrite=job.commit.overwrite)
-        if job.commit.keep_last > 0:
-            try:
-                retention.apply_retention(storage, job.commit.keep_last)
-            except OSError:
-                pass  # the trainer's next save retries; a commit is not failed by it
     return {"nbytes": stored_bytes(chunks), "write_s": write_s}
+
+
+def apply_retention(storage: Storage, job: Job) -> None:
+    """On rank 0, after the commit is announced: removing a large old step takes a while (as
+    in process, it must not delay "committed"). Best effort: the next save retries."""
+    if job.share.rank == 0 and job.commit.keep_last > 0:
+        try:
+            retention.apply_retention(storage, job.commit.keep_last)
+        except OSError:
+            pass
 
 
 def pool_for(offload: Offload, slots: int) -> StagingPool:
@@ -173,5 +179,5 @@ def pool_for(offload: Offload, slots: int) -> StagingPool:
     return pool
 
 
-__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "decode", "encode", "run",
-           "pool_for"]
+__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "apply_retention", "decode",
+           "encode", "run", "pool_for"]
