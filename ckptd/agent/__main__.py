@@ -24,11 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    directory = args.dir or wire.agent_dir()
+    node = args.node or wire.node_id()
+    lock = wire.take_lock(wire.paths(node, directory)["lock"])
+    if lock is None:  # decided before torch is imported: a racing second start exits at once
+        logging.getLogger("ckptd.agent").info("ckptd agent: another agent serves node %s", node)
+        return 0
     from ckptd.agent.server import main as serve
 
-    directory = args.dir or wire.agent_dir()
-    return serve(args.node or wire.node_id(), directory, args.idle_exit, args.keep_in_memory,
-                 _budget(args.memory_budget))
+    return serve(node, directory, args.idle_exit, args.keep_in_memory,
+                 _budget(args.memory_budget), lock)
 
 
 def _budget(text: str | None) -> int:

@@ -15,7 +15,6 @@ long).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -61,16 +60,12 @@ class Agent:
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
-    def run(self) -> int:
-        lock_fd = os.open(self.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    def run(self, lock_fd: int | None = None) -> int:
+        """Serve until stopped. ``lock_fd``: the node's lock, if the caller took it."""
+        lock_fd = lock_fd if lock_fd is not None else wire.take_lock(self.paths["lock"])
+        if lock_fd is None:
             log.info("ckptd agent: another agent serves node %s", self.node)
-            os.close(lock_fd)
             return 0
-        os.ftruncate(lock_fd, 0)
-        os.write(lock_fd, str(os.getpid()).encode())
         for path in stale_segments(self.node):  # a killed agent's; we hold the node's lock
             unlink(path)
         self._start_peers()
@@ -382,8 +377,8 @@ class Session:
 
 
 def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,
-         budget: int | None = None) -> int:
-    return Agent(node, directory, idle_exit_s, keep_in_memory, budget).run()
+         budget: int | None = None, lock_fd: int | None = None) -> int:
+    return Agent(node, directory, idle_exit_s, keep_in_memory, budget).run(lock_fd)
 
 
 __all__ = ["Agent", "main"]

@@ -12,6 +12,7 @@ carries an ``id`` that its reply repeats; the agent also sends ``{"op": "alive"}
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -55,6 +56,19 @@ def paths(node: str, directory: str) -> dict[str, str]:
     return {"sock": base + ".sock", "lock": base + ".lock", "log": base + ".log"}
 
 
+def take_lock(path: str) -> int | None:
+    """The node's agent lock (held for the agent's life), or None if another agent holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
 def peer_uid_pid(sock: socket.socket) -> tuple[int, int]:
     """The uid and pid of the process at the other end of a Unix socket (from the kernel)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -88,4 +102,4 @@ def recv(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
 
 
 __all__ = ["HEARTBEAT_S", "Refused", "agent_dir", "node_id", "paths", "peer_uid_pid", "recv",
-           "send"]
+           "send", "take_lock"]

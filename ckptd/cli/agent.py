@@ -32,9 +32,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(json.dumps(out) if args.json else
               f"agent pid {client.pid} serves node {node}" + (": stopping" if args.stop else ""))
         return 0
-    from ckptd.agent.server import main
+    from ckptd.agent.__main__ import main
 
-    return main(node, directory, args.idle_exit)
+    argv = ["--node", node, "--dir", directory, "--idle-exit", str(args.idle_exit),
+            "--keep-in-memory", str(args.keep_in_memory)]
+    return main(argv + (["--memory-budget", args.memory_budget] if args.memory_budget else []))
 
 
 def register(add: Add) -> None:
@@ -43,5 +45,10 @@ def register(add: Add) -> None:
     sp.add_argument("--dir", default=None, help="socket directory (default: $CKPTD_AGENT_DIR)")
     sp.add_argument("--idle-exit", type=float, default=600.0,
                     help="exit after this many seconds with no client and no job")
+    sp.add_argument("--keep-in-memory", type=int, default=1,
+                    help="newest steps whose data each rank keeps in memory (default 1)")
+    sp.add_argument("--memory-budget", default=None,
+                    help="host memory for arenas, kept steps and peer copies, e.g. 64GiB "
+                         "(default: 90%% of /dev/shm's free space)")
     sp.add_argument("--stop", action="store_true", help="ask the running agent to stop")
     sp.add_argument("--status", action="store_true", help="is an agent running (exit 1 if not)")
