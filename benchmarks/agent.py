@@ -16,7 +16,9 @@ and the **restart**: the newest step loaded at W - 1 ranks (a node lost, the job
 smaller) from the agent's memory (``agent=True``) and from storage with a cold page cache
 (``agent=False``, caches dropped when this runs as root), with the bytes each took from memory.
 
-Peer copies and the compute-slowdown figure of issue 13 are not built yet (``docs/agent.md``).
+and the **compute slowdown**: a training-like loop (``common.Compute``: matmuls and small ops)
+run while the save is in flight, its iterations/s against the same loop just before (the slowest
+rank's ratio; median over ``--saves`` more saves).
 """
 
 from __future__ import annotations
@@ -88,7 +90,21 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
             done = time.perf_counter() - t0
             stalls.append(_slowest(stall))
             durable.append(_slowest(done))
-    return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:])}
+        # the training loop beside the background write: iterations/s while the save is in
+        # flight against the same loop with nothing in flight, measured just before
+        compute = common.Compute()
+        slowdowns = []
+        for step in range(saves + 1, 2 * saves + 1):
+            state.touch()
+            dist.barrier()
+            idle = compute.rate_for(1.0)
+            dist.barrier()
+            h = ckpt.save_async(state.ckptd_tree(), step=step)
+            busy, _, _ = compute.rate_until(h.done)
+            h.result()
+            slowdowns.append(_slowest(idle / busy))
+    return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:]),
+            "slowdown": statistics.median(slowdowns)}
 
 
 def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str, float]:
@@ -165,12 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{common.fmt_bytes(size)} over {args.world} gloo ranks, median of {args.saves} "
           "saves (slowest rank)\n")
     print("| busy processes | mode | stall | memcpy floor | stall / floor | durable | "
-          "write floor | durable / floor |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "write floor | durable / floor | compute slowdown during the write |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for busy, mode, r, fl in rows:
         print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
-              f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× |")
+              f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
+              f"{r['slowdown']:.2f}× |")
 
 
 

@@ -249,28 +249,36 @@ class Checkpointer:
             if found is not None:
                 return found
         described = describe(state, self.rank, self.world_size)
-        tier = self._memory_tier()
+        tier, lease = self._memory_tier()
         if tier is not None:
             reader = Reader(tier, self.rank, self.world_size, self._io)
-        result = (reader.load_named(described, step, strict) if step is not None
-                  else reader.load_newest(described, strict, self._agreed_latest))
+        try:
+            result = (reader.load_named(described, step, strict) if step is not None
+                      else reader.load_newest(described, strict, self._agreed_latest))
+        finally:
+            if lease is not None and self._saver is not None and self._saver.offload:
+                try:
+                    self._saver.offload.unpin(lease)
+                except CkptdError:  # a lost agent holds nothing any more
+                    pass
         if tier is not None:
             result = dataclasses.replace(result, nbytes_from_memory=tier.served)
         self._last_step = max(self._last_step or result.step, result.step)
         return result
 
-    def _memory_tier(self) -> MemoryTier | None:
-        """The node agent's copy of its newest steps, in front of the storage."""
+    def _memory_tier(self) -> tuple[MemoryTier | None, int | None]:
+        """The node agent's copy of its newest steps in front of the storage, and the lease
+        that keeps it unchanged during the load."""
         offload = self._saver.offload if self._saver is not None else None
-        if offload is None or not offload.alive or self._saver is None or self._saver.busy():
-            return None  # with a save in flight, the agent may hand a kept arena back
+        if offload is None or not offload.alive:
+            return None, None
         try:
-            files = offload.kept()
+            files, lease = offload.kept()
         except (CkptdError, OSError) as e:
             log.warning("ckptd: rank %d: the node agent's memory is not readable: %s",
                         self.rank, e)
-            return None
-        return MemoryTier(self.storage, files) if files else None
+            return None, None
+        return (MemoryTier(self.storage, files) if files else None), lease
 
     def _agreed_latest(self) -> int | None:
         dist = dist_or_none()

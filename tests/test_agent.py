@@ -420,7 +420,7 @@ def test_the_agent_keeps_the_newest_step_in_the_arena_it_was_staged_in(tmp_path,
 def _holds(root: str, node: str, rank: int) -> bool:
     c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
     try:
-        return any(f"/r{rank:05d}" in p for p in c.kept())
+        return any(f"/r{rank:05d}" in p for p in c.kept()[0])
     finally:
         c.close()
 
@@ -461,7 +461,7 @@ def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch,
     _wait(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
     assert not _holds(root, agents.node, 0) or all(
         "step-000000099" not in p for p in AgentClient.connect(
-            {"url": root, "options": None}, threads=1, start=False).kept())
+            {"url": root, "options": None}, threads=1, start=False).kept()[0])
 
 
 def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_window(
@@ -513,3 +513,21 @@ def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, mon
     finally:
         small.terminate()
         small.wait(timeout=30)
+
+
+def test_a_step_a_load_is_reading_is_not_given_back_to_its_trainer(tmp_path, agents):
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
+        c.save(_big(1))
+        reader = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
+        files, lease = reader.kept()  # a load in another process holds step 1
+        before = {p: bytes(m) for p, m in files.items()}
+        for step in (2, 3, 4):  # step 1's arena is dropped from memory but stays pinned
+            c.save(_big(step))
+        assert {p: bytes(m) for p, m in files.items()} == before, "overwritten under a load"
+        assert c.pool.allocations == 3  # the trainer staged into a third arena meanwhile
+        reader.unpin(lease)
+        reader.close()
+        for step in (5, 6, 7):  # given back: no more allocations
+            c.save(_big(step))
+        assert c.pool.allocations == 3

@@ -130,20 +130,26 @@ class AgentClient:
                     "job": job})
         return _Ticket(done)
 
-    def kept(self) -> dict[str, memoryview]:
+    def kept(self) -> tuple[dict[str, memoryview], int]:
         """The data files of this root that the agent holds in memory (every rank of this node,
-        its newest steps): path -> bytes, mapped read-only."""
+        its newest steps, peer copies): path -> bytes, mapped read-only; and the lease that
+        keeps them unchanged until :meth:`unpin`."""
         maps: dict[str, memoryview] = {}
         out: dict[str, memoryview] = {}
-        for path, segment, start, end in self._request({"op": "kept", "storage": self._storage})[
-                "files"]:
+        reply = self._request({"op": "kept", "storage": self._storage})
+        for path, segment, start, end in reply["files"]:
             try:
                 mem = maps.get(segment) or maps.setdefault(segment, map_readonly(segment))
             except FileNotFoundError:  # replaced by a newer step meanwhile
                 continue
             if 0 <= start <= end <= len(mem):
                 out[path] = mem[start:end]
-        return out
+        return out, int(reply["lease"])
+
+    def unpin(self, lease: int) -> None:
+        """The load is done: the steps it read may be given back or dropped."""
+        if self._lost is None:
+            self._send({"op": "unpin", "lease": lease})
 
     def drain(self, run: str, timeout_s: float) -> int:
         """Wait until the agent runs no job of another run than ``run`` (a previous

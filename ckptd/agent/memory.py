@@ -4,7 +4,7 @@ steps it keeps (each in the arena it was staged in) and the peer copies it recei
 A kept step belongs to its trainer's session until that session ends (then to the agent alone);
 when a newer step of the same rank is kept, the older one is dropped: given back to its trainer
 (the arena is staged into again) or, if the trainer is gone, removed. A step that is still being
-sent to a peer is given back only once the copy is sent.
+sent to a peer, or read by a load, is given back only once the copy is sent and the load done.
 
 The budget counts every segment the agent created and has not removed. An arena over it is
 refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
@@ -35,7 +35,7 @@ class Kept:
     files: dict[str, tuple[int, int]]  # path -> [start, end) in the segment
     owner: Any | None  # the session whose arena it is; None: the agent's alone
     seg_id: int  # the arena's id in that session
-    replicating: int = 0  # peer copies being sent from it
+    pins: int = 0  # peer copies being sent from it, loads reading it
     dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
 
 
@@ -76,7 +76,7 @@ class Memory:
 
     def _drop_orphans_locked(self) -> None:
         for kept in self._kept.values():
-            for k in [k for k in kept if k.owner is None and not k.replicating]:
+            for k in [k for k in kept if k.owner is None and not k.pins]:
                 kept.remove(k)
                 unlink(k.segment.path)
                 self.used -= k.segment.nbytes
@@ -95,8 +95,8 @@ class Memory:
 
     def _release(self, k: Kept, caller: Any | None = None) -> bool:
         """A dropped step's arena: True if it goes back to ``caller`` (the reply says so)."""
-        if k.replicating:
-            return False  # once the copy is sent
+        if k.pins:
+            return False  # once the copy is sent, the load done
         if k.owner is None:
             self.forget(k.segment)
             return False
@@ -105,12 +105,25 @@ class Memory:
         self._give_back(k.owner, k.seg_id)
         return False
 
-    def replicating(self, k: Kept, delta: int) -> None:
+    def pin(self, k: Kept, delta: int) -> None:
+        """Hold (+1) or let go of (-1) a kept step: a pinned step is not given back to its
+        trainer or removed (a peer copy is being sent from it, a load is reading it)."""
         with self._lock:
-            k.replicating += delta
-            done = k.dropped and not k.replicating
+            k.pins += delta
+            done = k.dropped and not k.pins
         if done:
             self._release(k)
+
+    def pin_files(self, spec: dict[str, Any]) -> tuple[list[list[Any]], list[Kept]]:
+        """:meth:`files`, with every step they come from pinned (the caller unpins them)."""
+        root = root_key(spec)
+        with self._lock:
+            kept = [k for (r, _), ks in self._kept.items() if r == root for k in ks]
+            for k in kept:
+                k.pins += 1
+            files = [[path, k.segment.path, a, b] for k in kept
+                     for path, (a, b) in k.files.items()]
+        return files, kept
 
     def is_kept(self, segment: Segment) -> bool:
         with self._lock:
@@ -121,14 +134,6 @@ class Memory:
         with self._lock:
             for k in [k for ks in self._kept.values() for k in ks if k.owner is owner]:
                 k.owner = None
-
-    def files(self, spec: dict[str, Any]) -> list[list[Any]]:
-        """``[path, segment, start, end]`` of every data file held for the root ``spec``."""
-        root = root_key(spec)
-        with self._lock:
-            return [[path, k.segment.path, a, b]
-                    for (r, _), ks in self._kept.items() if r == root
-                    for k in ks for path, (a, b) in k.files.items()]
 
     def close(self) -> None:
         with self._lock:

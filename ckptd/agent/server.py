@@ -240,6 +240,8 @@ class Session:
         self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"ckptd-job-{pid}")
         self._io: ThreadPoolExecutor | None = None
         self._next_segment = 0
+        self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
+        self._next_lease = 0
 
     def reply(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
@@ -269,6 +271,9 @@ class Session:
             with self._send_lock:
                 self._open = False
             self.conn.close()
+            for pinned in self._leases.values():
+                for k in pinned:
+                    self.agent.memory.pin(k, -1)
             self.agent.memory.orphan(self)
             for seg in self.segments.values():  # names go; a job still using one maps it
                 if not self.agent.memory.is_kept(seg):
@@ -317,8 +322,14 @@ class Session:
             threading.Thread(target=self._drained,
                              args=(rid, str(msg["run"]), float(msg["timeout_s"])),
                              daemon=True).start()
-        elif op == "kept":
-            self.reply({"id": rid, "op": "kept", "files": self.agent.memory.files(msg["storage"])})
+        elif op == "kept":  # a load: what memory holds, pinned until "unpin" (or we end)
+            files, pinned = self.agent.memory.pin_files(msg["storage"])
+            self._next_lease += 1
+            self._leases[self._next_lease] = pinned
+            self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease})
+        elif op == "unpin":
+            for k in self._leases.pop(int(msg["lease"]), []):
+                self.agent.memory.pin(k, -1)
         elif op == "stop":
             self.agent.stopping.set()
             self.reply({"id": rid, "op": "stopping"})
@@ -340,10 +351,10 @@ class Session:
         if rep is not None:
             rep.register(storage)
             mem = seg.view()
-            self.agent.memory.replicating(kept, +1)
+            self.agent.memory.pin(kept, +1)
             rep.submit(Outgoing(spec, storage, share.rank, share.step,
                                 {p: mem[a:b] for p, (a, b) in files.items()},
-                                lambda: self.agent.memory.replicating(kept, -1)))
+                                lambda: self.agent.memory.pin(kept, -1)))
         return kept
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:

@@ -63,8 +63,11 @@ class Offload(Protocol):
 
     def close(self) -> None: ...
 
-    def kept(self) -> dict[str, memoryview]:
-        """Data files of this root held in the agent's memory: path -> bytes."""
+    def kept(self) -> tuple[dict[str, memoryview], int]:
+        """Data files of this root held in the agent's memory (path -> bytes), unchanged
+        until ``unpin(lease)``."""
+
+    def unpin(self, lease: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,10 @@ def apply_retention(storage: Storage, job: Job) -> None:
 
 def pool_for(offload: Offload, slots: int) -> StagingPool:
     """A staging pool whose arenas are the agent's shared memory."""
-    pool = StagingPool(slots + offload.keep + int(offload.peers), allocate=offload.allocate)
+    # the arenas the agent may hold besides the one being staged: the kept steps, one being
+    # copied to a peer, one a load (another process's, perhaps) is reading
+    pool = StagingPool(slots + offload.keep + int(offload.peers) + 1,
+                       allocate=offload.allocate)
     offload.on_release = pool.release_buffer
     return pool
 

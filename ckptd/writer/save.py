@@ -397,10 +397,6 @@ class Saver:
                 log.warning("ckptd: could not append metrics: %s", e)
 
     # ------------------------------------------------------------------ waiting
-    def busy(self) -> bool:
-        """A save is in flight."""
-        return any(not h.done() for h in self._handles)
-
     def raise_pending(self) -> None:
         """Raise the first background error not yet raised to the caller."""
         for h in self._handles:
