@@ -214,8 +214,12 @@ def load_into(
             # (locally) the files stay readable even if retention removes them meanwhile
             files = StepFiles(storage, step_dir, {r.file for r in plan.ranges})
             files.check_bounds(plan.ranges)
-            kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed declares it
-                               remote="://" in storage.url)
+            if files.session.resident:  # views of pinned memory: hold all, one pass
+                buffers.limit = max(buffers.limit, sum(buffers.cost(r) for r in plan.ranges))
+                kept = set(range(len(plan.ranges)))
+            else:
+                kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed has it
+                                   remote="://" in storage.url)
             clock("plan")
             held = run_ranges(files, plan.ranges, pool, buffers, hold=kept, stats=stats.reads)
         except Exception as e:  # noqa: BLE001 - raised by _agree, on every rank

@@ -82,6 +82,9 @@ class ReadSession(Protocol):
 
     sizes: dict[str, int]
     fills_buffers: bool
+    # ``read`` returns views of memory that stays unchanged for the session (the node agent's
+    # pinned copy): holding them costs no buffer, so a load verifies and copies in one pass
+    resident: bool
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``path`` at ``offset``; EOFError if the file ends first."""
@@ -96,6 +99,7 @@ class _RangeSession:
     """A :class:`ReadSession` over ``size`` and ``read_ranges`` (every backend has them)."""
 
     fills_buffers = False
+    resident = False
 
     def __init__(self, storage: Storage, paths: Sequence[str], threads: int = 8) -> None:
         self.storage = storage
@@ -123,6 +127,7 @@ class BlockCache:
     one thread is fetching is waited for by the others, not fetched again."""
 
     fills_buffers = True
+    resident = False
 
     def __init__(self, inner: ReadSession, block_bytes: int, capacity_bytes: int) -> None:
         self.inner, self.sizes = inner, inner.sizes

@@ -296,6 +296,7 @@ class LocalReadSession:
     """Files of one load, opened once (see :meth:`LocalStorage.open_read`)."""
 
     fills_buffers = True  # reads go straight into the caller's memory
+    resident = False
 
     def __init__(self, storage: LocalStorage, paths: Sequence[str]) -> None:
         self.storage = storage

@@ -21,7 +21,8 @@ class MemoryTier(Delegating):
     """Every method but ``open_read`` is the storage underneath."""
 
     def __init__(self, base: Storage, files: Mapping[str, memoryview]) -> None:
-        """``files``: path (relative to the root, as the manifest names it) -> its bytes."""
+        """``files``: path (relative to the root, as the manifest names it) -> its bytes,
+        unchanged for as long as this object is used (the agent pins them for the load)."""
         super().__init__(base)
         self.base = extended(base)
         self.files = dict(files)
@@ -45,6 +46,7 @@ class _TierSession:
         # memory alone: hand out views (the loader copies from them on its threads); with
         # files on storage, what their session does best
         self.fills_buffers = inner.fills_buffers if inner is not None else False
+        self.resident = inner is None  # pinned by the agent for this load
 
     def _slice(self, path: str, offset: int, length: int) -> memoryview:
         mem = self.tier.files[path]
