@@ -17,12 +17,15 @@ and zstd is chosen when it is at least 10 % faster. The first save is always raw
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ckptd.manifest import codecs
+
+log = logging.getLogger("ckptd")
 
 SAMPLE_BYTES = 4 << 20
 GAIN = 0.9  # compress only if it saves at least 10 %
@@ -61,6 +64,22 @@ class AutoCodec:
         dt = max(time.perf_counter() - t, 1e-9)
         self.zstd_bps = len(sample) / dt
         self.ratio = len(sample) / max(1, len(stored))
+
+
+    def observe_save(self, nbytes: int, seconds: float, codec: str,
+                     slots: list[tuple[torch.Tensor, int, int]], arena: torch.Tensor) -> None:
+        """A save's write bandwidth and, once, a compressor sample of its largest float slot
+        (``slots``: ``(view, arena offset, nbytes)``)."""
+        self.observe_write(nbytes, seconds, codec)
+        best = largest_float_slot(slots)
+        if best is not None and self.zstd_bps is None:
+            offset, size, itemsize = best
+            mem = memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
+            self.observe_sample(mem[offset : offset + size], itemsize)
+        log.info(
+            "ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
+            (self.write_bps or 0) / 1e9, (self.zstd_bps or 0) / 1e9, self.ratio or 0,
+            self.choose())
 
 
 def largest_float_slot(slots: list[tuple[torch.Tensor, int, int]]) -> tuple[int, int, int] | None:

@@ -44,7 +44,7 @@ from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.storage.base import extended
 from ckptd.writer import commit, remote, retention
-from ckptd.writer.autocodec import AutoCodec, largest_float_slot
+from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.files import gather
 from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
 from ckptd.writer.pipeline import (
@@ -328,8 +328,12 @@ class Saver:
                 if job.futures is not None:
                     job.chunks = gather(job.futures)
                     partial_written = False
-                    if self.auto is not None:
-                        self._observe(job, time.perf_counter() - job.t_write)
+                    if self.auto is not None and job.arena is not None:
+                        self.auto.observe_save(
+                            stored_bytes(job.chunks), time.perf_counter() - job.t_write,
+                            job.codec, [(s.piece.view, s.offset, s.nbytes)
+                                        for p in job.rounds[0].plans for s in p.slots],
+                            job.arena.buffer)
             finally:
                 if job.arena is not None and job.pool is not None and not job.kept:
                     job.pool.release(job.arena)  # every write that reads it has returned
@@ -368,21 +372,6 @@ class Saver:
                 retention.apply_retention(self.storage, opts.keep_last)
             except OSError as e:
                 log.warning("ckptd: retention after step %d failed: %s", share.step, e)
-
-    def _observe(self, job: _Job, seconds: float) -> None:
-        """Feed compression="auto" with this save's write bandwidth and a compressor sample."""
-        assert self.auto is not None and job.arena is not None
-        self.auto.observe_write(stored_bytes(job.chunks), seconds, job.codec)
-        slots = [(s.piece.view, s.offset, s.nbytes) for p in job.rounds[0].plans for s in p.slots]
-        best = largest_float_slot(slots)
-        if best is not None and self.auto.zstd_bps is None:
-            offset, nbytes, itemsize = best
-            mem = memoryview(job.arena.buffer.numpy()).cast("B")  # type: ignore[arg-type]
-            self.auto.observe_sample(mem[offset : offset + nbytes], itemsize)
-        log.info(
-            "ckptd: compression=auto: write %.2f GB/s, zstd %.2f GB/s/thread, ratio %.2f -> %s",
-            (self.auto.write_bps or 0) / 1e9, (self.auto.zstd_bps or 0) / 1e9,
-            self.auto.ratio or 0, self.auto.choose())
 
     def _record(self, r: SaveResult) -> None:
         line = {"step": r.step, "rank": self.options.rank,
