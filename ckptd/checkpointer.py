@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import config
+from ckptd.agent.client import connect_for, memory_tier
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
-from ckptd.storage.memory_tier import MemoryTier
 from ckptd.world import agree_run_id, dist_or_none, resolve_world
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
@@ -93,32 +93,11 @@ class Checkpointer:
                 max_inflight=max_inflight, on_busy=on_busy,
                 host_budget_bytes=host_budget_bytes,
                 debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1")
-            offload = self._agent(agent, root, storage, storage_options)
+            offload = connect_for(agent, root, storage_options, own_storage=storage is None,
+                                  threads=self.threads, run_id=self.run_id, rank=self.rank)
             self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io,
                                 offload)
         _live.add(self)
-
-    def _agent(self, wanted: bool | None, root: str, storage: Storage | None,
-               storage_options: dict[str, Any] | None) -> Any:
-        if wanted is None:
-            wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
-        if not wanted or storage is not None or self.url.startswith("memory://"):
-            return None
-        from ckptd.agent.client import AgentClient
-
-        try:
-            client = AgentClient.connect(
-                {"url": root, "options": storage_options}, threads=self.threads,
-                timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")))
-            # a previous incarnation's last saves commit before this one claims the root
-            busy = client.drain(self.run_id, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
-            if busy:
-                log.warning("ckptd: rank %d: the node agent still runs %d save(s) of an "
-                            "earlier job", self.rank, busy)
-            return client
-        except (CkptdError, OSError) as e:
-            log.warning("ckptd: rank %d: no node agent (%s); saving in process", self.rank, e)
-            return None
 
     @staticmethod
     def threads_for(threads: int | None) -> int:
@@ -249,36 +228,16 @@ class Checkpointer:
             if found is not None:
                 return found
         described = describe(state, self.rank, self.world_size)
-        tier, lease = self._memory_tier()
-        if tier is not None:
-            reader = Reader(tier, self.rank, self.world_size, self._io)
-        try:
+        offload = self._saver.offload if self._saver is not None else None
+        with memory_tier(offload, self.storage, self.rank) as tier:
+            if tier is not None:  # what the node agent holds, in front of the storage
+                reader = Reader(tier, self.rank, self.world_size, self._io)
             result = (reader.load_named(described, step, strict) if step is not None
                       else reader.load_newest(described, strict, self._agreed_latest))
-        finally:
-            if lease is not None and self._saver is not None and self._saver.offload:
-                try:
-                    self._saver.offload.unpin(lease)
-                except CkptdError:  # a lost agent holds nothing any more
-                    pass
         if tier is not None:
             result = dataclasses.replace(result, nbytes_from_memory=tier.served)
         self._last_step = max(self._last_step or result.step, result.step)
         return result
-
-    def _memory_tier(self) -> tuple[MemoryTier | None, int | None]:
-        """The node agent's copy of its newest steps in front of the storage, and the lease
-        that keeps it unchanged during the load."""
-        offload = self._saver.offload if self._saver is not None else None
-        if offload is None or not offload.alive:
-            return None, None
-        try:
-            files, lease = offload.kept()
-        except (CkptdError, OSError) as e:
-            log.warning("ckptd: rank %d: the node agent's memory is not readable: %s",
-                        self.rank, e)
-            return None, None
-        return (MemoryTier(self.storage, files) if files else None), lease
 
     def _agreed_latest(self) -> int | None:
         dist = dist_or_none()

@@ -10,6 +10,7 @@ is writing too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -28,7 +29,9 @@ import torch
 from ckptd.agent import wire
 from ckptd.agent.shm import Segment, map_readonly
 from ckptd.errors import CkptdError
-from ckptd.writer.remote import AgentLost
+from ckptd.storage import Storage
+from ckptd.storage.memory_tier import MemoryTier
+from ckptd.writer.remote import AgentLost, Offload
 
 log = logging.getLogger("ckptd")
 
@@ -254,6 +257,54 @@ class AgentClient:
                 f.set_exception(self._lost)
 
 
+def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
+                own_storage: bool, threads: int, run_id: str, rank: int) -> AgentClient | None:
+    """This node's agent for a writing Checkpointer of ``root`` (started if none runs), once an
+    earlier run's saves in it are done; None without one: not ``wanted`` (None: ``$CKPTD_AGENT``
+    is 1), a storage object or ``memory://`` root the agent could not open (not
+    ``own_storage``), or none to be had (with a warning)."""
+    if wanted is None:
+        wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
+    if not wanted or not own_storage or root.startswith("memory://"):
+        return None
+    try:
+        client = AgentClient.connect(
+            {"url": root, "options": storage_options}, threads=threads,
+            timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")))
+        # a previous incarnation's last saves commit before this one claims the root
+        busy = client.drain(run_id, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
+        if busy:
+            log.warning("ckptd: rank %d: the node agent still runs %d save(s) of an earlier "
+                        "job", rank, busy)
+        return client
+    except (CkptdError, OSError) as e:
+        log.warning("ckptd: rank %d: no node agent (%s); saving in process", rank, e)
+        return None
+
+
+@contextlib.contextmanager
+def memory_tier(offload: Offload | None, storage: Storage,
+                rank: int) -> Iterator[MemoryTier | None]:
+    """For one load: what the agent holds of the root, in front of ``storage``, pinned until
+    the load is done; None without an agent or when it holds nothing."""
+    if offload is None or not offload.alive:
+        yield None
+        return
+    try:
+        files, lease = offload.kept()
+    except (CkptdError, OSError) as e:
+        log.warning("ckptd: rank %d: the node agent's memory is not readable: %s", rank, e)
+        yield None
+        return
+    try:
+        yield MemoryTier(storage, files) if files else None
+    finally:
+        try:
+            offload.unpin(lease)
+        except CkptdError:  # a lost agent holds nothing any more
+            pass
+
+
 def _try_connect(path: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -278,4 +329,4 @@ def _spawn(node: str, paths: dict[str, str]) -> None:
     log.info("ckptd: started the node agent (pid %d) for node %s", proc.pid, node)
 
 
-__all__ = ["AgentClient"]
+__all__ = ["AgentClient", "connect_for", "memory_tier"]
