@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                                     start=False).stop_agent()
             except Exception:  # noqa: BLE001 - none was started
                 pass
+            shutil.rmtree(agent_dir, ignore_errors=True)
     print(f"{common.fmt_bytes(size)} over {args.world} gloo ranks, median of {args.saves} "
           "saves (slowest rank)\n")
     print("| busy processes | mode | stall | memcpy floor | stall / floor | durable | "

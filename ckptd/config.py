@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,3 +173,27 @@ def pipelined_staging(io_threads: int) -> bool:
     if _current.pipelined_staging is not None:
         return bool(_current.pipelined_staging)
     return (os.cpu_count() or 1) >= stage_threads() + io_threads
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB`` (10^9), ``2GiB`` (2^30), ``500MB``, or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}: want a number with an optional unit (5GB, 2GiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

@@ -73,11 +73,12 @@ class AgentClient:
 
     @classmethod
     def connect(cls, storage: dict[str, Any], *, threads: int, start: bool = True,
-                node: str | None = None, timeout_s: float = 5.0) -> AgentClient:
+                node: str | None = None, directory: str | None = None,
+                timeout_s: float = 5.0) -> AgentClient:
         """This node's agent, started (detached, its own session) if none answers and
         ``start``. ``storage``: ``{"url", "options"}`` of the root the saves go to."""
         node = node or wire.node_id()
-        paths = wire.paths(node, wire.agent_dir())
+        paths = wire.paths(node, directory or wire.agent_dir())
         sock = _try_connect(paths["sock"])
         if sock is None and start:
             _spawn(node, paths)

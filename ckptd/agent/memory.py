@@ -53,9 +53,9 @@ class Memory:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ segments
-    def create(self, nbytes: int, tag: str, *, drop_orphans: bool = True) -> Segment:
+    def create(self, nbytes: int, tag: str) -> Segment:
         with self._lock:
-            if self.budget is not None and self.used + nbytes > self.budget and drop_orphans:
+            if self.budget is not None and self.used + nbytes > self.budget:
                 self._drop_orphans_locked()
             if self.budget is not None and self.used + nbytes > self.budget:
                 raise OverBudget(f"{nbytes} bytes more would put the agent at "

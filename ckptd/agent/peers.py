@@ -65,13 +65,18 @@ def _recv_into(sock: socket.socket, into: memoryview) -> None:
         got += k
 
 
+Finish = Callable[[bool], None]
+
+
 class PeerServer:
-    """Receives peer copies: ``accept(header, read_into)`` stores one (or refuses it)."""
+    """Receives peer copies: ``accept(header, nbytes)`` gives the memory to receive one into
+    and what to call once it is received (True) or the transfer failed (False); None refuses
+    it."""
 
     def __init__(self, secret: bytes, host: str,
-                 accept: Callable[[dict[str, Any], int], memoryview | None],
-                 stored: Callable[[dict[str, Any], memoryview], None]) -> None:
-        self.secret, self._accept, self._stored = secret, accept, stored
+                 accept: Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None]
+                 ) -> None:
+        self.secret, self._accept = secret, accept
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -85,6 +90,7 @@ class PeerServer:
             threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
 
     def _handle(self, conn: socket.socket, addr: Any) -> None:
+        finish: Finish | None = None
         with conn:
             try:
                 conn.settimeout(60)
@@ -99,15 +105,20 @@ class PeerServer:
                 wire.send(conn, {"ok": True})
                 header = wire.recv(conn, 64 << 20)
                 total = sum(int(n) for n in header["files"].values())
-                into = self._accept(header, total)
-                wire.send(conn, {"ok": into is not None})
-                if into is None:
+                accepted = self._accept(header, total)
+                wire.send(conn, {"ok": accepted is not None})
+                if accepted is None:
                     return
+                into, done = accepted
+                finish = done  # until the bytes are in, a failure gives the memory back
                 _recv_into(conn, into[:total])
-                self._stored(header, into)
+                finish = None
+                done(True)
                 wire.send(conn, {"ok": True})
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("ckptd agent: a peer copy from %s failed: %s", addr, e)
+                if finish is not None:
+                    finish(False)  # its memory goes back to the budget
 
     def close(self) -> None:
         self.sock.close()

@@ -22,6 +22,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,7 +55,6 @@ class Agent:
         self._runs: dict[str, int] = {}  # the same, by run id
         self._idle_since = time.monotonic()
         self._storages: dict[str, Storage] = {}
-        self._incoming: dict[int, Segment] = {}  # peer copies being received
         self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
         self._write_bps = 0.0  # measured: the newest job's files over their write time
         self._warned: set[str] = set()
@@ -107,24 +107,30 @@ class Agent:
             log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
             return
         self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
-                                self._peer_accept, self._peer_stored)
+                                self._peer_accept)
         rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
         self.replicator = Replicator(self.node, secret, self.peers.address,
                                      int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate)
         log.info("ckptd agent: peer copies on, listening at %s:%d", *self.peers.address)
 
-    def _peer_accept(self, header: dict[str, Any], total: int) -> memoryview | None:
+    def _peer_accept(self, header: dict[str, Any],
+                     total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
         try:
             seg = self.memory.create(max(total, 1), f"{self.node}+peer")
         except (OverBudget, OSError) as e:
             log.warning("ckptd agent: no room for node %s's copy of rank %s step %s: %s",
                         header.get("origin"), header.get("rank"), header.get("step"), e)
             return None
-        self._incoming[id(header)] = seg
-        return seg.view()[:total]
 
-    def _peer_stored(self, header: dict[str, Any], into: memoryview) -> None:
-        seg = self._incoming.pop(id(header))
+        def finish(ok: bool) -> None:
+            if ok:
+                self._peer_stored(header, seg)
+            else:
+                self.memory.forget(seg)
+
+        return seg.view()[:total], finish
+
+    def _peer_stored(self, header: dict[str, Any], seg: Segment) -> None:
         files, at = {}, 0
         for path, n in header["files"].items():
             files[str(path)] = (at, at + int(n))

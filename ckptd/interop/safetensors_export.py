@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ckptd.config import parse_size
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.source import SLAB_BYTES, BoxReader, Checkpoint, open_checkpoint, row_slabs
 from ckptd.regions import Box
@@ -65,18 +66,6 @@ DTYPES = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -102,16 +91,6 @@ class FuseRule:
         if not eq or not target.strip() or len(parts) < 2:
             raise ValueError(f"fuse rule {spec!r}: want TARGET=PART,PART[,...][@DIM]")
         return FuseRule(target.strip(), parts, dim)
-
-
-def parse_size(text: str | int) -> int:
-    """``5GB`` (10^9), ``2GiB`` (2^30), ``500MB``, or a number of bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size {text!r}: want a number with an optional unit (5GB, 2GiB, 500MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 @dataclass
