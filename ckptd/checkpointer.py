@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import config
-from ckptd.agent.client import connect_for, memory_tier
+from ckptd.agent.client import agent_wanted, connect_for
+from ckptd.agent.tier import memory_tier
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
@@ -86,6 +87,9 @@ class Checkpointer:
         # job, a tool) must not, or it would stop the training job that owns the root.
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
         self._saver: Saver | None = None
+        # the same on every rank: whether loads ask every node's agent what it holds
+        self._agents = not read_only and agent_wanted(agent, root, own_storage=storage is None)
+        self._agent_spec = {"url": root, "options": storage_options} if self._agents else None
         if not read_only:
             options = SaveOptions(
                 rank=self.rank, world_size=self.world_size, run_id=self.run_id,
@@ -229,13 +233,16 @@ class Checkpointer:
                 return found
         described = describe(state, self.rank, self.world_size)
         offload = self._saver.offload if self._saver is not None else None
-        with memory_tier(offload, self.storage, self.rank) as tier:
+        with memory_tier(offload, self.storage, self._agent_spec, self.rank, self.world_size,
+                         agents=self._agents) as tier:
             if tier is not None:  # what the node agent holds, in front of the storage
                 reader = Reader(tier, self.rank, self.world_size, self._io)
             result = (reader.load_named(described, step, strict) if step is not None
                       else reader.load_newest(described, strict, self._agreed_latest))
         if tier is not None:
-            result = dataclasses.replace(result, nbytes_from_memory=tier.served)
+            result = dataclasses.replace(result,
+                                         nbytes_from_memory=tier.served - tier.served_peer,
+                                         nbytes_from_peer=tier.served_peer)
         self._last_step = max(self._last_step or result.step, result.step)
         return result
 

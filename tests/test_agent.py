@@ -321,6 +321,19 @@ def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):
             first.kill()
 
 
+def test_the_agent_writes_at_a_lower_priority_and_answers_at_the_normal_one(tmp_path, agents):
+    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1, agent=True) as c:
+        c.save(_big(1))
+        pid = agents.pid()
+        nice = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
+    assert nice[pid] == 0  # the main thread (accepts clients) and the session threads
+    assert 10 in nice.values()  # the job and I/O threads: $CKPTD_AGENT_NICE, default 10
+    assert sorted(set(nice.values())) == [0, 10]
+
+
 # ----------------------------------------------------------------------------- the memory tier
 def _save_on_node(root: str, rank: int, node: str, conn) -> None:
     torch.set_num_threads(1)
@@ -330,9 +343,9 @@ def _save_on_node(root: str, rank: int, node: str, conn) -> None:
     conn.send("saved")
 
 
-def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
-    torch.set_num_threads(1)
-    os.environ["CKPTD_NODE_ID"] = node
+def _load_step_1(root: str, rank: int, world: int) -> tuple[bool, int, int, int]:
+    """Rank ``rank`` of ``world`` loads its slice of step 1 through its node's agent:
+    bit-exact?, bytes read, from this node's memory, from other nodes' memory."""
     n = 2 * N
     a, b = rank * n // world, (rank + 1) * n // world  # uneven: 3 does not divide 2N evenly
     dst = {"model": {"w": ckptd.Shard(torch.zeros(b - a), (n,), (a,)), "b": torch.zeros(16)}}
@@ -341,7 +354,13 @@ def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
         r = c.load(dst)
     ok = torch.equal(dst["model"]["w"].local, _expected(1)[a:b]) and \
         torch.equal(dst["model"]["b"], torch.full((16,), 1.0))
-    conn.send((ok, r.nbytes_read, r.nbytes_from_memory))
+    return ok, r.nbytes_read, r.nbytes_from_memory, r.nbytes_from_peer
+
+
+def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    conn.send(_load_step_1(root, rank, world))
 
 
 def _ranks(target, args_of, world: int) -> list:
@@ -376,9 +395,9 @@ def test_a_restart_at_another_world_size_loads_from_the_agents_memory(tmp_path, 
     for path in files:  # storage no longer has the data: only memory can serve it
         os.remove(path)
     got = _ranks(_load_on, lambda r: (root, r, 3, node), 3)
-    for ok, nbytes, from_memory in got:
+    for ok, nbytes, from_memory, from_peer in got:
         assert ok, "not bit-exact"
-        assert nbytes > 0 and from_memory == nbytes  # nothing from storage
+        assert nbytes > 0 and from_memory == nbytes and from_peer == 0  # nothing from storage
 
 
 def test_a_lost_node_s_part_comes_from_storage_the_rest_from_memory(tmp_path, agents):
@@ -391,8 +410,9 @@ def test_a_lost_node_s_part_comes_from_storage_the_rest_from_memory(tmp_path, ag
     rank1 = {p: n for p, n in _data_bytes(root, 1).items() if "/r00001" in p}
     assert rank1
     got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
-    assert all(ok for ok, _, _ in got), "not bit-exact"
-    from_storage = [n - m for _, n, m in got]
+    assert all(ok for ok, *_ in got), "not bit-exact"
+    assert all(p == 0 for *_, p in got)  # no peer copies without a job secret
+    from_storage = [n - m for _, n, m, _ in got]
     # new rank 0 holds [0, 2N/3): old rank 0's, in memory (the 64-byte "b" may be rank 1's)
     assert got[0][2] > 0 and from_storage[0] <= 64
     # what storage served is rank 1's file: no rank read more than that from it
@@ -416,11 +436,60 @@ def test_the_agent_keeps_the_newest_step_in_the_arena_it_was_staged_in(tmp_path,
         assert r.nbytes_from_memory == 0 and r.nbytes_from_storage == r.nbytes_read
 
 
+def _save_then_stall(root: str, rank: int, node: str, conn) -> None:
+    """Step 1 on both ranks; step 2 on rank 1 only (rank 0's node is lost before it hands
+    step 2 over), so step 2 never commits; rank 1 is killed while it waits for that commit."""
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True)
+    c.save(_state(1, rank), step=1)
+    if rank == 1:
+        c.save_async(_state(2, rank), step=2)
+    conn.send("saved")
+    conn.recv()  # killed here
+
+
+def _holds_step(root: str, node: str, rank: int, step: int) -> bool:
+    c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
+    try:
+        return any(f"step-{step:09d}/" in p and f"/r{rank:05d}" in p for p in c.kept().files)
+    finally:
+        c.close()
+
+
+def test_a_step_that_never_commits_does_not_push_the_committed_one_out_of_memory(
+        tmp_path, agents):
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    ctx = mp.get_context("fork")
+    procs = []
+    for rank, node in enumerate((a, b)):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_save_then_stall, args=(root, rank, node, child))
+        p.start()
+        procs.append((p, parent))
+    for _, parent in procs:
+        assert parent.poll(120) and parent.recv() == "saved"
+    # node b's agent wrote step 2 (files and partial) and keeps it beside step 1
+    _wait(lambda: _holds_step(root, b, 1, 2), 60, "node b's agent to hold step 2")
+    for p, _ in procs:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    assert _latest(root) == 1
+    assert _holds_step(root, b, 1, 1), "the committed step was dropped for an uncommitted one"
+    rank1 = {p: n for p, n in _data_bytes(root, 1).items() if "/r00001" in p}
+    for path in rank1:  # only node b's memory can serve rank 1's part of step 1 now
+        os.remove(path)
+    [(ok, nbytes, from_memory, from_peer)] = _ranks(_load_on, lambda r: (root, r, 1, b), 1)
+    assert ok, "not bit-exact"
+    assert from_memory >= 4 * N and from_peer == 0  # rank 1's half of "w" at least
+
+
 # ----------------------------------------------------------------------------- peer copies
 def _holds(root: str, node: str, rank: int) -> bool:
     c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
     try:
-        return any(f"/r{rank:05d}" in p for p in c.kept()[0])
+        return any(f"/r{rank:05d}" in p for p in c.kept().files)
     finally:
         c.close()
 
@@ -438,9 +507,43 @@ def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatc
     for path in _data_bytes(root, 1):  # and storage cannot serve the data either
         os.remove(path)
     got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
-    for ok, nbytes, from_memory in got:
+    for ok, nbytes, from_memory, from_peer in got:
         assert ok, "not bit-exact"
-        assert nbytes > 0 and from_memory == nbytes  # rank 1's part from node b's peer copy
+        assert nbytes > 0 and from_memory + from_peer == nbytes  # nothing from storage
+    # new rank 0 lies inside old rank 0's half (node a's own), new rank 2 inside old rank 1's
+    # (node b's, which node a holds a peer copy of); the 64-byte "b" may be either's
+    assert got[0][3] <= 64 and got[2][2] <= 64 and got[2][3] > 0
+
+
+def _load_in_group(rank: int, world: int, root: str, env: dict[str, str], nodes: list[str]):
+    # one offer per node: from the node's first local rank
+    local = nodes[:rank].count(nodes[rank])
+    os.environ.update(env, CKPTD_NODE_ID=nodes[rank], LOCAL_RANK=str(local))
+    return _load_step_1(root, rank, world)
+
+
+def test_a_restart_on_other_nodes_reads_what_another_agent_holds_from_it(tmp_path, agents,
+                                                                        monkeypatch):
+    from multirank import run
+
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPIES", "0")  # each agent holds its own node's part only
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
+    for path in _data_bytes(root, 1):  # storage cannot serve the data
+        os.remove(path)
+    env = {k: os.environ[k] for k in ("CKPTD_AGENT_DIR", "CKPTD_JOB_SECRET", "CKPTD_PEER_COPIES")}
+    # the new world's ranks on the other node than the data they need: new rank 0 ([0, 2N/3),
+    # old rank 0's, node a's) runs on node b, new ranks 1 and 2 on node a
+    got = run(_load_in_group, 3, root, env, [b, a, a], timeout=120)
+    for ok, nbytes, from_memory, from_peer in got:
+        assert ok, "not bit-exact"
+        assert nbytes == from_memory + from_peer  # nothing from storage
+    # (the 64-byte "b" was written by one of the old ranks: it may come from either node)
+    assert got[0][3] >= 4 * (2 * N // 3) and got[0][2] <= 64  # node a's, read over TCP
+    assert got[1][2] > 0 and got[1][3] > 0  # half its own node's, half node b's
+    assert got[2][3] > 0 and got[2][2] <= 64  # inside old rank 1's half: node b's
 
 
 def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch, caplog):
@@ -461,7 +564,7 @@ def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch,
     _wait(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
     c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
     try:
-        assert all("step-000000099" not in p for p in c.kept()[0])
+        assert all("step-000000099" not in p for p in c.kept().files)
     finally:
         c.close()
 
@@ -522,7 +625,8 @@ def test_a_step_a_load_is_reading_is_not_given_back_to_its_trainer(tmp_path, age
     with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
         c.save(_big(1))
         reader = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
-        files, lease = reader.kept()  # a load in another process holds step 1
+        held = reader.kept()  # a load in another process holds step 1
+        files, lease = held.files, held.lease
         before = {p: bytes(m) for p, m in files.items()}
         for step in (2, 3, 4):  # step 1's arena is dropped from memory but stays pinned
             c.save(_big(step))
@@ -533,3 +637,37 @@ def test_a_step_a_load_is_reading_is_not_given_back_to_its_trainer(tmp_path, age
         for step in (5, 6, 7):  # given back: no more allocations
             c.save(_big(step))
         assert c.pool.allocations == 3
+
+
+def test_a_remote_read_that_fails_is_read_from_storage_once_warned(tmp_path, caplog):
+    from ckptd.storage import open_storage
+    from ckptd.storage.memory_tier import MemoryTier
+
+    storage = open_storage(str(tmp_path))
+    payload = bytes(range(256)) * 64
+    storage.put_atomic("step-000000001/data/x/r00001-0.bin", payload)
+
+    class DeadAgent:  # an agent that died after it said what it held
+        size = len(payload)
+        calls = 0
+
+        def read_into(self, offset: int, buf: memoryview) -> None:
+            DeadAgent.calls += 1
+            raise ConnectionRefusedError("connection refused")
+
+    path = "step-000000001/data/x/r00001-0.bin"
+    tier = MemoryTier(storage, {}, (), {path: DeadAgent()})
+    session = tier.open_read([path])
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            for offset in (0, 4096, 8192):
+                buf = bytearray(4096)
+                session.read_into(path, offset, memoryview(buf))
+                assert bytes(buf) == payload[offset:offset + 4096]
+    finally:
+        session.close()
+    assert DeadAgent.calls == 1  # not asked again after it failed
+    assert tier.served == 0
+    warnings = [r.getMessage() for r in caplog.records
+                if "reading it from storage" in r.getMessage()]
+    assert len(warnings) == 1 and "r00001-0.bin" in warnings[0]

@@ -22,7 +22,8 @@ from ckptd.cli import main
 from ckptd.data import GlobalOrder
 from ckptd.elastic import preemption as preemption_module
 from ckptd.elastic.demo import DemoError, run_demo
-from ckptd.elastic.history import MAX_LOSS_POINTS, add_loss, render_phases, summarize
+from ckptd.elastic.events import render_phases, summarize
+from ckptd.elastic.history import MAX_LOSS_POINTS, add_loss
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SPEC5B = ["--hidden-size", "4096", "--num-layers", "28", "--num-params", "4832071680",
@@ -154,9 +155,11 @@ def test_history_prints_the_churn_and_writes_a_png(
                        "tolerance ±10%")
     assert text[1].split()[10:12] == ["consumed", "epoch"]
     assert text[3].split() == ["0", "start", "3", "2", "2", "1", "12", "+0.00", "0", "0", "—",
-                               "—"]
+                               "—", "—"]
     assert text[4].split()[:10] == ["4", "scale-down", "2", "3", "2", "1", "12", "+0.00", "48",
                                     "1"]
+    # no node agent: the restart read every byte from storage
+    assert " 0 B / 0 B / " in text[4] and " 0 B / 0 B / 0 B " not in text[4]
     assert out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
 
 
@@ -206,18 +209,28 @@ def test_the_demo_summary_splits_phases_at_each_resume() -> None:
                                                    signalled=True, signal_to_committed_s=0.2),
         _ev("preempt", 2.7, step=2, signalled=False, signal_to_committed_s=0.21),
         _ev("resume", 10.0, step=2, world=2, reason="scale-down", training=spec2),
-        _ev("loaded", 10.2, step=2, load_s=0.15), _ev("training", 10.5, step=3, world=2),
-        _ev("step", 10.5, step=3, world=2), _ev("done", 11.0, step=3),
+        _ev("loaded", 10.2, step=2, load_s=0.15, from_memory=3072, from_peer=0,
+            from_storage=1024),
+        _ev("loaded", 10.2, rank=1, step=2, load_s=0.1, from_memory=1024, from_peer=2048,
+            from_storage=0),
+        _ev("training", 10.5, step=3, world=2),
+        _ev("step", 10.5, step=3, world=2), _ev("step", 11.0, step=4, world=2),
+        _ev("node_lost", 11.2, rank=-1, node="b"),
+        _ev("resume", 15.0, step=4, world=1, reason="scale-down", training=spec2),
+        _ev("training", 16.0, step=5, world=1), _ev("done", 17.0, step=5),
     ]
-    first, second = summarize(events)
+    first, second, third = summarize(events)
     assert (first.world, first.first_step, first.last_step, first.saves) == (3, 0, 2, 1)
     assert (first.stall_median_s, first.stall_max_s) == (0.004, 0.004)
     assert (first.ended_by, first.sigterm_to_committed_s, first.downtime_s) == ("sigterm", 0.2,
                                                                                  8.0)
-    assert (second.world, second.reason, second.load_s, second.ended_by) == (2, "scale-down",
-                                                                             0.15, "done")
-    table = render_phases([first, second])
-    assert "| 2 (scale-down) | 2 | 2–3 | 1 × 6 | 2 | 12 |" in table
+    assert (second.world, second.reason, second.load_s) == (2, "scale-down", 0.15)
+    assert second.bytes_from == (4096, 2048, 1024)  # over both ranks
+    assert (second.ended_by, second.downtime_s) == ("node lost", 16.0 - 11.2)
+    assert (third.ended_by, third.bytes_from) == ("done", None)
+    table = render_phases([first, second, third])
+    assert "| 2 (scale-down) | 2 | 2–4 | 1 × 6 | 2 | 12 |" in table
+    assert "| 0.15 s | 4 / 2 / 1 | node lost |" in table
 
 
 def test_the_demo_refuses_a_directory_that_is_not_empty(tmp_path: Path) -> None:

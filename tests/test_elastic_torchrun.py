@@ -298,14 +298,32 @@ def test_ckptd_demo_runs_end_to_end_and_draws_the_history(
     assert main(["demo", "--workdir", str(tmp_path / "demo"), "--plot", str(png),
                  "--phase-steps", "15", "--cooldown-s", "2"]) == 0
     out = capsys.readouterr().out
-    assert "SIGTERM to node b" in out and "training on 4 nodes" in out
+    assert "SIGTERM to node b" in out and "training on 4 nodes" in out and "is lost" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "(" in line]
-    assert [row.split("|")[2].strip() for row in rows] == ["3", "2", "3", "4"]
+    assert [row.split("|")[2].strip() for row in rows] == ["3", "2", "3", "4", "3"]
+    assert "node lost" in rows[3]
+    assert all(row.rstrip(" |").endswith("yes") for row in rows), "a step read other samples"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _, meta = read_meta(str(tmp_path / "demo" / "ckpt"))
-    assert [e.world_size for e in meta.history] == [3, 2, 3, 4]
+    assert [e.world_size for e in meta.history] == [3, 2, 3, 4, 3]
     assert {e.global_batch_size for e in meta.history} == {12}
     assert meta.consumed_samples == 12 * max(s for s, _ in meta.losses)
+    restarts = meta.history[1:]
+    assert all(e.bytes_from_storage is not None for e in restarts)
+    # restarts read from the node agents' memory (one may miss it: a node lost while a save
+    # was in flight leaves the agents holding that uncommitted step, not the one loaded)
+    assert sum(1 for e in restarts if e.bytes_from_memory) >= len(restarts) - 1
+    # the demo stopped every node agent it started
+    agents = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+              and b"ckptd.agent" in _cmdline(p)]
+    assert agents == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_a_tensor_parallel_run_resumes_without_tp_on_another_world(

@@ -10,7 +10,6 @@ is writing too.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -29,9 +28,7 @@ import torch
 from ckptd.agent import wire
 from ckptd.agent.shm import Segment, map_readonly
 from ckptd.errors import CkptdError
-from ckptd.storage import Storage
-from ckptd.storage.memory_tier import MemoryTier
-from ckptd.writer.remote import AgentLost, Offload
+from ckptd.writer.remote import AgentLost, Held
 
 log = logging.getLogger("ckptd")
 
@@ -134,21 +131,31 @@ class AgentClient:
                     "job": job})
         return _Ticket(done)
 
-    def kept(self) -> tuple[dict[str, memoryview], int]:
+    def kept(self) -> Held:
         """The data files of this root that the agent holds in memory (every rank of this node,
-        its newest steps, peer copies): path -> bytes, mapped read-only; and the lease that
-        keeps them unchanged until :meth:`unpin`."""
+        its newest steps, peer copies), mapped read-only and pinned until :meth:`unpin`."""
         maps: dict[str, memoryview] = {}
         out: dict[str, memoryview] = {}
+        copies: set[str] = set()
         reply = self._request({"op": "kept", "storage": self._storage})
-        for path, segment, start, end in reply["files"]:
+        for path, segment, start, end, origin in reply["files"]:
             try:
                 mem = maps.get(segment) or maps.setdefault(segment, map_readonly(segment))
             except FileNotFoundError:  # replaced by a newer step meanwhile
                 continue
             if 0 <= start <= end <= len(mem):
                 out[path] = mem[start:end]
-        return out, int(reply["lease"])
+                if origin is not None:
+                    copies.add(path)
+        address = reply.get("address")
+        return Held(out, int(reply["lease"]), copies,
+                    (str(address[0]), int(address[1])) if address else None)
+
+    def committed(self, rank: int, step: int) -> None:
+        """``rank``'s ``step`` committed (its trainer saw it): the agent may drop older steps
+        and copy this one to its peers. The arenas it gives back arrive before this returns."""
+        self._request({"op": "committed", "storage": self._storage, "rank": rank, "step": step},
+                      timeout_s=self._timeout_s)
 
     def unpin(self, lease: int) -> None:
         """The load is done: the steps it read may be given back or dropped."""
@@ -258,15 +265,22 @@ class AgentClient:
                 f.set_exception(self._lost)
 
 
+def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
+    """Whether a writing Checkpointer of ``root`` uses a node agent: ``wanted`` (None:
+    ``$CKPTD_AGENT`` is 1), and a root the agent can open itself (no storage object, no
+    ``memory://``)."""
+    if wanted is None:
+        wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
+    return wanted and own_storage and not root.startswith("memory://")
+
+
 def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
                 own_storage: bool, threads: int, run_id: str, rank: int) -> AgentClient | None:
     """This node's agent for a writing Checkpointer of ``root`` (started if none runs), once an
     earlier run's saves in it are done; None without one: not ``wanted`` (None: ``$CKPTD_AGENT``
     is 1), a storage object or ``memory://`` root the agent could not open (not
     ``own_storage``), or none to be had (with a warning)."""
-    if wanted is None:
-        wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
-    if not wanted or not own_storage or root.startswith("memory://"):
+    if not agent_wanted(wanted, root, own_storage=own_storage):
         return None
     try:
         client = AgentClient.connect(
@@ -281,29 +295,6 @@ def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] 
     except (CkptdError, OSError) as e:
         log.warning("ckptd: rank %d: no node agent (%s); saving in process", rank, e)
         return None
-
-
-@contextlib.contextmanager
-def memory_tier(offload: Offload | None, storage: Storage,
-                rank: int) -> Iterator[MemoryTier | None]:
-    """For one load: what the agent holds of the root, in front of ``storage``, pinned until
-    the load is done; None without an agent or when it holds nothing."""
-    if offload is None or not offload.alive:
-        yield None
-        return
-    try:
-        files, lease = offload.kept()
-    except (CkptdError, OSError) as e:
-        log.warning("ckptd: rank %d: the node agent's memory is not readable: %s", rank, e)
-        yield None
-        return
-    try:
-        yield MemoryTier(storage, files) if files else None
-    finally:
-        try:
-            offload.unpin(lease)
-        except CkptdError:  # a lost agent holds nothing any more
-            pass
 
 
 def _try_connect(path: str) -> socket.socket | None:
@@ -330,4 +321,4 @@ def _spawn(node: str, paths: dict[str, str]) -> None:
     log.info("ckptd: started the node agent (pid %d) for node %s", proc.pid, node)
 
 
-__all__ = ["AgentClient", "connect_for", "memory_tier"]
+__all__ = ["AgentClient", "agent_wanted", "connect_for"]

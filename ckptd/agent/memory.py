@@ -1,10 +1,14 @@
 """What a node agent holds in host memory, under one budget: the trainers' arenas, the newest
 steps it keeps (each in the arena it was staged in) and the peer copies it received.
 
-A kept step belongs to its trainer's session until that session ends (then to the agent alone);
-when a newer step of the same rank is kept, the older one is dropped: given back to its trainer
-(the arena is staged into again) or, if the trainer is gone, removed. A step that is still being
-sent to a peer, or read by a load, is given back only once the copy is sent and the load done.
+A kept step belongs to its trainer's session until that session ends (then to the agent alone).
+Per rank the agent keeps the newest ``keep_in_memory`` *committed* steps, and up to as many newer
+steps whose commit it has not seen yet (rank 0's agent commits itself; the others learn it from
+their trainer, which waits for the commit anyway): a node lost while a save is in flight leaves
+that step uncommitted, and the restart loads the committed one — from memory. An older step is
+dropped once a newer one is known committed: given back to its trainer (the arena is staged into
+again) or, if the trainer is gone, removed. A step that is still being sent to a peer, or read by
+a load, is given back only once the copy is sent and the load done.
 
 The budget counts every segment the agent created and has not removed. An arena over it is
 refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
@@ -37,6 +41,8 @@ class Kept:
     seg_id: int  # the arena's id in that session
     pins: int = 0  # peer copies being sent from it, loads reading it
     dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
+    origin: str | None = None  # a peer copy: the node it is a copy of; None: this node's own
+    committed: bool = False  # the agent saw its step commit (peer copies: always)
 
 
 def root_key(spec: dict[str, Any]) -> str:
@@ -88,10 +94,33 @@ class Memory:
         with self._lock:
             steps = self._kept.setdefault((root_key(spec), rank), [])
             steps.append(kept)
-            dropped, steps[:] = steps[: -self.keep_n], steps[-self.keep_n:]
-            for k in dropped:
-                k.dropped = True
+            dropped = self._trim(steps)
         return [k.seg_id for k in dropped if self._release(k, kept.owner)]
+
+    def committed(self, spec: dict[str, Any], rank: int, step: int,
+                  caller: Any) -> tuple[Kept | None, list[int]]:
+        """``rank``'s ``step`` committed: the kept step (None if not held) and the arenas of
+        ``caller`` that are free again (older steps dropped)."""
+        with self._lock:
+            steps = self._kept.get((root_key(spec), rank), [])
+            found = next((k for k in steps if k.step == step and k.origin is None), None)
+            if found is None or found.committed:
+                return None, []
+            found.committed = True
+            dropped = self._trim(steps)
+        return found, [k.seg_id for k in dropped if self._release(k, caller)]
+
+    def _trim(self, steps: list[Kept]) -> list[Kept]:
+        """Drop from ``steps`` (oldest first) all but the newest ``keep_n`` committed steps and
+        the newest ``keep_n`` unconfirmed steps after them; returns the dropped ones."""
+        done = [k for k in steps if k.committed][-self.keep_n:]
+        newest = max((steps.index(k) for k in done), default=-1)
+        pending = [k for k in steps[newest + 1:] if not k.committed][-self.keep_n:]
+        dropped = [k for k in steps if k not in done and k not in pending]
+        steps[:] = [k for k in steps if k in done or k in pending]
+        for k in dropped:
+            k.dropped = True
+        return dropped
 
     def _release(self, k: Kept, caller: Any | None = None) -> bool:
         """A dropped step's arena: True if it goes back to ``caller`` (the reply says so)."""
@@ -115,15 +144,30 @@ class Memory:
             self._release(k)
 
     def pin_files(self, spec: dict[str, Any]) -> tuple[list[list[Any]], list[Kept]]:
-        """:meth:`files`, with every step they come from pinned (the caller unpins them)."""
+        """``[path, segment, start, end, origin]`` of every data file of the root held in
+        memory (``origin``: the node a peer copy is of, or None), with every step they come
+        from pinned (the caller unpins them)."""
         root = root_key(spec)
         with self._lock:
             kept = [k for (r, _), ks in self._kept.items() if r == root for k in ks]
             for k in kept:
                 k.pins += 1
-            files = [[path, k.segment.path, a, b] for k in kept
+            files = [[path, k.segment.path, a, b, k.origin] for k in kept
                      for path, (a, b) in k.files.items()]
         return files, kept
+
+    def lookup(self, spec: dict[str, Any], path: str) -> tuple[Kept, memoryview] | None:
+        """One data file of the root held in memory, pinned (the caller unpins it); None if
+        memory does not hold it (any more)."""
+        root = root_key(spec)
+        with self._lock:
+            for (r, _), ks in self._kept.items():
+                for k in ks:
+                    if r == root and path in k.files:
+                        k.pins += 1
+                        a, b = k.files[path]
+                        return k, k.segment.view()[a:b]
+        return None
 
     def is_kept(self, segment: Segment) -> bool:
         with self._lock:

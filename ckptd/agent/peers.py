@@ -68,15 +68,20 @@ def _recv_into(sock: socket.socket, into: memoryview) -> None:
 Finish = Callable[[bool], None]
 
 
+Lookup = Callable[[dict[str, Any], str], tuple[memoryview, Callable[[], None]] | None]
+
+
 class PeerServer:
-    """Receives peer copies: ``accept(header, nbytes)`` gives the memory to receive one into
-    and what to call once it is received (True) or the transfer failed (False); None refuses
-    it."""
+    """Receives peer copies and answers range reads, from agents and loaders of the same job.
+
+    ``accept(header, nbytes)`` gives the memory to receive a copy into and what to call once it
+    is received (True) or the transfer failed (False); None refuses it. ``lookup(spec, path)``
+    gives a file held in memory and what to call when it has been read; None if not held."""
 
     def __init__(self, secret: bytes, host: str,
-                 accept: Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None]
-                 ) -> None:
-        self.secret, self._accept = secret, accept
+                 accept: Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None],
+                 lookup: Lookup | None = None) -> None:
+        self.secret, self._accept, self._lookup = secret, accept, lookup
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -104,6 +109,9 @@ class PeerServer:
                     return
                 wire.send(conn, {"ok": True})
                 header = wire.recv(conn, 64 << 20)
+                if header.get("op") == "read":
+                    self._reads(conn, header)
+                    return
                 total = sum(int(n) for n in header["files"].values())
                 accepted = self._accept(header, total)
                 wire.send(conn, {"ok": accepted is not None})
@@ -120,8 +128,87 @@ class PeerServer:
                 if finish is not None:
                     finish(False)  # its memory goes back to the budget
 
+    def _reads(self, conn: socket.socket, header: dict[str, Any]) -> None:
+        """Range reads of files held in memory, one after another on this connection until
+        the reader closes it: ``{"op": "read", "spec", "path", "offset", "length"}`` ->
+        ``{"ok": true}`` and the bytes, or ``{"ok": false, "error"}``."""
+        conn.settimeout(600)  # a loader keeps its connection between reads
+        while True:
+            path, offset, length = str(header["path"]), int(header["offset"]), int(header["length"])
+            found = self._lookup(header["spec"], path) if self._lookup is not None else None
+            if found is None:
+                wire.send(conn, {"ok": False, "error": f"{path}: not held in memory"})
+            else:
+                mem, release = found
+                try:
+                    if offset < 0 or length < 0 or offset + length > len(mem):
+                        wire.send(conn, {"ok": False, "error": f"{path}: {length} bytes at "
+                                         f"{offset} are outside its {len(mem)}"})
+                    else:
+                        wire.send(conn, {"ok": True})
+                        conn.sendall(mem[offset: offset + length])
+                finally:
+                    release()
+            try:
+                header = wire.recv(conn, 1 << 20)
+            except ConnectionError:
+                return  # the reader is done
+
     def close(self) -> None:
         self.sock.close()
+
+
+class PeerReads:
+    """A loader's side of range reads from other agents' memory (``PeerServer._reads``): one
+    authenticated connection per agent and thread at a time, kept for the next read."""
+
+    def __init__(self, secret: bytes, spec: dict[str, Any], timeout_s: float = 30.0) -> None:
+        self.secret, self.spec, self.timeout_s = secret, spec, timeout_s
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def read_into(self, address: tuple[str, int], path: str, offset: int,
+                  buf: memoryview) -> None:
+        """``len(buf)`` bytes of ``path`` at ``offset`` from the agent at ``address``; raises
+        OSError (ConnectionError, timeout) when it does not hold them or cannot be reached."""
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            sock = idle.pop() if idle else None
+        if sock is None:
+            sock = self._connect(address)
+        try:
+            wire.send(sock, {"op": "read", "spec": self.spec, "path": path, "offset": offset,
+                             "length": len(buf)})
+            reply = wire.recv(sock, 4096)
+            if not reply.get("ok"):
+                raise ConnectionError(f"agent at {address[0]}:{address[1]}: "
+                                      f"{reply.get('error', 'refused')}")
+            _recv_into(sock, buf)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._idle[address].append(sock)
+
+    def _connect(self, address: tuple[str, int]) -> socket.socket:
+        sock = socket.create_connection(address, timeout=min(self.timeout_s, 5.0))
+        try:
+            sock.settimeout(self.timeout_s)
+            nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
+            wire.send(sock, {"mac": hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()})
+            if not wire.recv(sock, 4096).get("ok"):
+                raise ConnectionError(f"agent at {address[0]}:{address[1]} refused this job")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        with self._lock:
+            socks = [s for ss in self._idle.values() for s in ss]
+            self._idle.clear()
+        for s in socks:
+            s.close()
 
 
 class Replicator:
@@ -233,4 +320,4 @@ class Replicator:
             return True
 
 
-__all__ = ["Outgoing", "PeerServer", "Replicator", "job_secret"]
+__all__ = ["Outgoing", "PeerReads", "PeerServer", "Replicator", "job_secret"]

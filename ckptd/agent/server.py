@@ -4,8 +4,9 @@ into its shared memory — so a save outlives the process that made it.
     python -m ckptd.agent [--node ID] [--dir DIR] [--idle-exit S]      (or: ckptd agent)
 
 One agent per (user, node): the running agent holds ``agent-<node>.lock``; a second one exits at
-once. Each client connection is a session with its own segments and its own job thread (saves
-of one rank commit in order); a session's jobs run to the end when its trainer dies. Clients of
+once. Each client connection is a session (:mod:`ckptd.agent.session`) with its own segments and
+its own job thread (saves of one rank commit in order); a session's jobs run to the end when its
+trainer dies. Clients of
 another user are refused by the kernel's peer credentials, whatever the socket's mode.
 
 SIGTERM or a ``stop`` request: stop accepting, finish every job, exit. With no client and no job
@@ -23,17 +24,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import config
 from ckptd.agent import wire
 from ckptd.agent.memory import Kept, Memory, OverBudget
 from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
+from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
-from ckptd.manifest import codecs, layout
 from ckptd.storage import Storage, open_storage
-from ckptd.writer import remote
 
 log = logging.getLogger("ckptd.agent")
 
@@ -107,7 +105,7 @@ class Agent:
             log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
             return
         self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
-                                self._peer_accept)
+                                self._peer_accept, self._peer_lookup)
         rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
         self.replicator = Replicator(self.node, secret, self.peers.address,
                                      int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate)
@@ -130,13 +128,22 @@ class Agent:
 
         return seg.view()[:total], finish
 
+    def _peer_lookup(self, spec: dict[str, Any],
+                     path: str) -> tuple[memoryview, Callable[[], None]] | None:
+        found = self.memory.lookup(spec, path)
+        if found is None:
+            return None
+        kept, mem = found
+        return mem, lambda: self.memory.pin(kept, -1)
+
     def _peer_stored(self, header: dict[str, Any], seg: Segment) -> None:
         files, at = {}, 0
         for path, n in header["files"].items():
             files[str(path)] = (at, at + int(n))
             at += int(n)
         released = self.memory.keep(header["spec"], int(header["rank"]),
-                                    Kept(int(header["step"]), seg, files, None, -1))
+                                    Kept(int(header["step"]), seg, files, None, -1,
+                                         origin=str(header["origin"]), committed=True))
         assert not released
         log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes)", header["origin"],
                  header["rank"], header["step"], at)
@@ -163,6 +170,20 @@ class Agent:
                f"{grace:.0f} s of SIGTERM grace: {advice}")
         log.warning("ckptd agent: %s", msg)
         return msg
+
+    def replicate(self, spec: dict[str, Any], rank: int, kept: Kept) -> None:
+        """Send a committed step to the peers (only committed steps: a peer keeps what it
+        receives as committed)."""
+        rep = self.replicator
+        if rep is None:
+            return
+        storage = self.storage(spec)
+        rep.register(storage)
+        mem = kept.segment.view()
+        self.memory.pin(kept, +1)
+        rep.submit(Outgoing(spec, storage, rank, kept.step,
+                            {p: mem[a:b] for p, (a, b) in kept.files.items()},
+                            lambda: self.memory.pin(kept, -1)))
 
     def _give_back(self, owner: Any, seg_id: int) -> None:
         owner.reply({"op": "released", "segments": [seg_id]})
@@ -233,164 +254,6 @@ class Agent:
         with self._lock:
             self._sessions.discard(session)
             self._idle_since = time.monotonic()
-
-
-class Session:
-    """One client (a Checkpointer of one rank): its segments, its jobs in order."""
-
-    def __init__(self, agent: Agent, conn: socket.socket, pid: int) -> None:
-        self.agent, self.conn, self.pid = agent, conn, pid
-        self.segments: dict[int, Segment] = {}
-        self._send_lock = threading.Lock()
-        self._open = True
-        self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"ckptd-job-{pid}")
-        self._io: ThreadPoolExecutor | None = None
-        self._next_segment = 0
-        self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
-        self._next_lease = 0
-
-    def reply(self, msg: dict[str, Any]) -> None:
-        with self._send_lock:
-            if not self._open:
-                return
-            try:
-                wire.send(self.conn, msg)
-            except OSError:
-                self._open = False  # the trainer is gone; its jobs go on
-
-    def serve(self) -> None:
-        beat = threading.Thread(target=self._heartbeat, daemon=True)
-        beat.start()
-        try:
-            while True:
-                try:
-                    msg = wire.recv(self.conn)
-                except (ConnectionError, OSError, ValueError):
-                    return
-                try:
-                    self._handle(msg)
-                except Exception as e:  # noqa: BLE001 - a bad request fails that request
-                    log.warning("ckptd agent: request from pid %d failed: %s", self.pid, e)
-                    self.reply({"id": msg.get("id"), "op": "failed", "error": str(e),
-                                "kind": type(e).__name__})
-        finally:
-            with self._send_lock:
-                self._open = False
-            self.conn.close()
-            for pinned in self._leases.values():
-                for k in pinned:
-                    self.agent.memory.pin(k, -1)
-            self.agent.memory.orphan(self)
-            for seg in self.segments.values():  # names go; a job still using one maps it
-                if not self.agent.memory.is_kept(seg):
-                    self.agent.memory.forget(seg)
-            self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
-            self.agent.session_ended(self)
-
-    def _heartbeat(self) -> None:
-        while self._open and not self.agent.stopping.is_set():
-            self.reply({"op": "alive"})
-            time.sleep(wire.HEARTBEAT_S)
-
-    def _handle(self, msg: dict[str, Any]) -> None:
-        op, rid = msg.get("op"), msg.get("id")
-        if op == "hello":
-            spec = msg.get("storage") or {}
-            if self.agent.replicator is not None and spec.get("url"):
-                # announced before the first save, so that every node's first copy finds its
-                # peers
-                self.agent.replicator.register(self.agent.storage(spec))
-            threads = max(1, int(msg.get("threads", config.io_threads())))
-            if self._io is None:
-                self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}")
-            self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
-                        "version": remote.VERSION, "keep": self.agent.keep_in_memory,
-                        "peers": self.agent.replicator is not None})
-        elif op == "arena":
-            nbytes = int(msg["nbytes"])
-            self._next_segment += 1
-            seg = self.agent.memory.create(nbytes, f"{self.agent.node}+{self.pid}")
-            self.segments[self._next_segment] = seg
-            self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
-                        "path": seg.path})
-        elif op == "free":
-            freed = self.segments.pop(int(msg["segment"]), None)  # a job using it holds it
-            if freed is not None and not self.agent.memory.is_kept(freed):
-                self.agent.memory.forget(freed)
-        elif op == "save":
-            # the trainer does not wait for an answer: a job that does not decode fails
-            # through its "failed" reply
-            seg = self.segments[int(msg["segment"])]
-            run = str(msg["job"]["commit"]["run_id"])
-            self.agent.job_started(run)
-            self._jobs.submit(self._run, int(msg["id"]), run, msg, int(msg["segment"]))
-        elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
-            threading.Thread(target=self._drained,
-                             args=(rid, str(msg["run"]), float(msg["timeout_s"])),
-                             daemon=True).start()
-        elif op == "kept":  # a load: what memory holds, pinned until "unpin" (or we end)
-            files, pinned = self.agent.memory.pin_files(msg["storage"])
-            self._next_lease += 1
-            self._leases[self._next_lease] = pinned
-            self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease})
-        elif op == "unpin":
-            for k in self._leases.pop(int(msg["lease"]), []):
-                self.agent.memory.pin(k, -1)
-        elif op == "stop":
-            self.agent.stopping.set()
-            self.reply({"id": rid, "op": "stopping"})
-        else:
-            raise ValueError(f"unknown request {op!r}")
-
-    def _keep(self, spec: dict[str, Any], storage: Storage, job: remote.Job, seg: Segment,
-              seg_id: int) -> Kept | None:
-        """The memory tier's copy of this step: the arena itself (no copy), and its peer
-        copies. Only uncompressed files: there the arena range is the file."""
-        if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
-            return None
-        share = job.share
-        step_dir = layout.step_dir(share.step)
-        files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
-                 (p.start, p.end) for p in job.round.plans}
-        kept = Kept(share.step, seg, files, self, seg_id)
-        rep = self.agent.replicator
-        if rep is not None:
-            rep.register(storage)
-            mem = seg.view()
-            self.agent.memory.pin(kept, +1)
-            rep.submit(Outgoing(spec, storage, share.rank, share.step,
-                                {p: mem[a:b] for p, (a, b) in files.items()},
-                                lambda: self.agent.memory.pin(kept, -1)))
-        return kept
-
-    def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
-        left = self.agent.wait_idle(timeout_s, but=run)
-        self.reply({"id": rid, "op": "drained", "busy": left})
-
-    def _run(self, rid: int, run: str, msg: dict[str, Any], seg_id: int) -> None:
-        share = msg["job"].get("share", {})
-        what = f"rank {share.get('rank')} step {share.get('step')}"
-        try:
-            assert self._io is not None, "hello first"
-            seg = self.segments[seg_id]
-            job = remote.decode(msg["job"], seg.tensor)
-            storage = self.agent.storage(msg["storage"])
-            out = remote.run(storage, self._io, job, seg.tensor)
-            out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
-                                                    out["nbytes"], out["write_s"])
-            kept = self._keep(msg["storage"], storage, job, seg, seg_id)
-            out["kept"] = kept is not None
-            out["released"] = (self.agent.memory.keep(msg["storage"], job.share.rank, kept)
-                               if kept is not None else [])
-            log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
-                     out["write_s"], ", committed" if job.share.rank == 0 else "")
-            self.reply({"id": rid, "op": "done", **out})
-            remote.apply_retention(storage, job)
-        except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
-            log.error("ckptd agent: %s failed: %s", what, e)
-            self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
-        finally:
-            self.agent.job_ended(run)
 
 
 def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.cli.common import CKPT_HELP, Add, human, table
-from ckptd.elastic.history import ElasticPolicy, NotElastic, TrainingMeta
+from ckptd.elastic.history import ElasticPolicy, HistoryEntry, NotElastic, TrainingMeta
 from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec, infer_model
 from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown
 from ckptd.errors import CheckpointNotFound, CkptdError
@@ -60,6 +60,8 @@ def register(add: Add) -> None:
                    help="steps each world trains before the next change (default 40)")
     d.add_argument("--cooldown-s", type=float, default=8.0, help="scale-up cooldown (s)")
     d.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM -> SIGKILL (s)")
+    d.add_argument("--no-agent", dest="agents", action="store_false",
+                   help="no ckptd node agents: every restart reads from storage")
     d.add_argument("--plot", default="history.png", help="where to draw the history")
     d.add_argument("--workdir", type=Path,
                    help="keep checkpoints, events and logs here (default: a temporary "
@@ -161,7 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- history
 HISTORY = ("step", "reason", "world", "micro", "accum", "ZeRO", "global batch", "deviation %",
-           "consumed", "epoch", "load s", "downtime s")
+           "consumed", "epoch", "load s", "read from memory / peer / storage", "downtime s")
 
 
 def history_rows(meta: TrainingMeta) -> list[list[str]]:
@@ -173,10 +175,14 @@ def history_rows(meta: TrainingMeta) -> list[list[str]]:
         e = meta.epoch(consumed)
         return "—" if e is None else str(e)
 
+    def sources(e: HistoryEntry) -> str:
+        parts = (e.bytes_from_memory, e.bytes_from_peer, e.bytes_from_storage)
+        return "—" if None in parts else " / ".join(human(n or 0) for n in parts)
+
     return [[str(e.step), e.reason, str(e.world_size), str(e.micro_batch_size),
              str(e.gradient_accumulation_steps), str(e.zero_stage), str(e.global_batch_size),
              f"{e.deviation * 100:+.2f}", str(e.consumed_samples), epoch(e.consumed_samples),
-             opt(e.load_s), opt(e.downtime_s)] for e in meta.history]
+             opt(e.load_s), sources(e), opt(e.downtime_s)] for e in meta.history]
 
 
 def step_rows(storage: Storage) -> list[dict[str, Any]]:
@@ -253,7 +259,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
     from ckptd.elastic.demo import run_demo
-    from ckptd.elastic.history import render_phases
+    from ckptd.elastic.events import render_phases
     from ckptd.elastic.plot import plot_history
 
     try:  # fail before minutes of demo, not after
@@ -270,7 +276,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         result = run_demo(workdir, phase_steps=args.phase_steps, cooldown_s=args.cooldown_s,
                           grace_s=args.grace_s, script=args.script,
-                          read_training=read_latest_training,
+                          read_training=read_latest_training, agents=args.agents,
                           out=lambda line: print(line, flush=True, file=say))
         step, meta = read_meta(result.ckpt)
         plot_history(meta, args.plot, last_step=step,

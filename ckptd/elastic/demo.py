@@ -4,7 +4,12 @@ Each simulated node is one ``torchrun --nnodes=1:4 --nproc-per-node=1`` agent ru
 ``integrations/torchrun/train.py``; the c10d rendezvous store is a separate process (it must
 outlive any node, like a head-node service). The timeline: 3 nodes train; one is preempted
 (SIGTERM to its agent, which forwards it to its worker; SIGKILL after the grace period, as a
-batch system does); 2 nodes continue; a 4th node joins (3), then a 5th (4); the run finishes.
+batch system does); 2 nodes continue; a 4th node joins (3), then a 5th (4); one node is lost
+outright (SIGKILL to everything on it, no warning); 3 nodes continue; the run finishes.
+
+Each node also runs a ckptd node agent (``docs/agent.md``; its own node id, one agent directory
+for the simulated machine, a job secret for the peer copies): restarts read from the agents'
+memory, and the lost node's part from the copy its ring successor holds.
 
 Two settings make this work on torch 2.13 (see docs/elastic.md for the evidence):
 
@@ -27,9 +32,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -37,8 +45,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ckptd.agent import wire
+from ckptd.agent.shm import stale_segments, unlink
 from ckptd.data import GlobalOrder
-from ckptd.elastic.history import Incarnation, TrainingMeta, scale_up_wait_s, summarize
+from ckptd.elastic.events import EventLog, Incarnation, summarize
+from ckptd.elastic.history import TrainingMeta, scale_up_wait_s
 from ckptd.errors import CkptdError
 
 _STORE_MAIN = """
@@ -124,13 +135,15 @@ class Cluster:
 
     ``train_args`` go to the training script; the events file is ``workdir/events.jsonl``.
     ``max_nodes`` is torchrun's MAX (a round that reaches it closes at once), ``last_call_s``
-    the rendezvous' last call (see :data:`LAST_CALL_S`).
+    the rendezvous' last call (see :data:`LAST_CALL_S`). With ``agents``, every node's
+    trainers save through a node agent of its own (node id ``<rdzv id>-<name>``), which the
+    cluster signals with its node and stops on :meth:`close`.
     """
 
     def __init__(self, workdir: Path, train_args: list[str], *, script: Path | None = None,
                  max_nodes: int = 4, nproc_per_node: int = 1, grace_s: float = 30.0,
                  python: str = sys.executable, monitor_interval: float = 0.5,
-                 last_call_s: int = LAST_CALL_S) -> None:
+                 last_call_s: int = LAST_CALL_S, agents: bool = False) -> None:
         self.workdir = workdir
         self.events_path = workdir / "events.jsonl"
         self.script = script or default_script()
@@ -149,6 +162,9 @@ class Cluster:
         self._offset = 0
         self.store: subprocess.Popen[str] | None = None
         self.port = 0
+        # a socket path has at most 107 bytes: the agents' directory is short, not in workdir
+        self.agent_dir = tempfile.mkdtemp(prefix="ckag") if agents else None
+        self._secret = secrets.token_hex(16)
 
     # --------------------------------------------------------------- processes
     def start_store(self) -> int:
@@ -176,6 +192,10 @@ class Cluster:
                *self.train_args, "--events", str(self.events_path)]
         env = {**os.environ, **AGENT_ENV,
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.grace_s))}
+        if self.agent_dir is not None:
+            env.update(CKPTD_AGENT="1", CKPTD_NODE_ID=self.node_id(name),
+                       CKPTD_AGENT_DIR=self.agent_dir, CKPTD_JOB_SECRET=self._secret,
+                       CKPTD_GRACE_S=str(self.grace_s))
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -183,25 +203,59 @@ class Cluster:
         self.nodes.append(node)
         return node
 
-    def preempt(self, node: Node) -> float:
-        """What a batch system does to a node: SIGTERM now, SIGKILL to whatever of it is still
-        alive ``grace_s`` later. Returns the wall time of the SIGTERM."""
+    def node_id(self, name: str) -> str:
+        return f"{self.rdzv_id}-{name}"
+
+    def agent_pid(self, name: str) -> int | None:
+        """The pid of node ``name``'s ckptd agent, if one holds its lock."""
+        if self.agent_dir is None:
+            return None
+        try:
+            with open(wire.paths(self.node_id(name), self.agent_dir)["lock"]) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def _doomed(self, node: Node) -> set[tuple[int, str]]:
+        """Every process of ``node``: its torchrun agent, the workers, its ckptd agent."""
         doomed = _descendants({node.proc.pid}) | {(node.proc.pid, "")}
+        pid = self.agent_pid(node.name)
+        if pid is not None:
+            doomed.add((pid, _proc_table().get(pid, (0, ""))[1]))
         self._seen |= doomed
+        return doomed
+
+    def preempt(self, node: Node) -> float:
+        """What a batch system does to a node: SIGTERM now (the torchrun agent forwards it to
+        its workers; the ckptd agent finishes its staged saves), SIGKILL to whatever of it is
+        still alive ``grace_s`` later. Returns the wall time of the SIGTERM."""
+        doomed = self._doomed(node)
         t = time.time()
         node.proc.send_signal(signal.SIGTERM)
+        pid = self.agent_pid(node.name)
+        if pid is not None:
+            self._kill({(pid, "")}, signal.SIGTERM)
         timer = threading.Timer(self.grace_s, self._kill, args=(doomed,))
         timer.daemon = True
         timer.start()
         self._timers.append(timer)
         return t
 
-    def _kill(self, procs: set[tuple[int, str]]) -> None:
+    def lose(self, node: Node) -> float:
+        """A node lost outright (power, network, kernel panic): SIGKILL to every process of it
+        at once, no warning; a ``node_lost`` event marks the time. Returns that time."""
+        self._kill(self._doomed(node))
+        t = time.time()
+        EventLog(str(self.events_path), -1).emit("node_lost", quiet=True, node=node.name)
+        return t
+
+    def _kill(self, procs: set[tuple[int, str]], sig: int = signal.SIGKILL) -> None:
         table = _proc_table()
         for pid, start in procs:
             if pid in table and (not start or table[pid][1] == start):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes if n.proc.poll() is None]
@@ -231,6 +285,26 @@ class Cluster:
             self.store.kill()
             self.store.wait()
             self.store = None
+        self._stop_agents()
+
+    def _stop_agents(self) -> None:
+        """SIGTERM to every node's ckptd agent (they finish what they write), SIGKILL to any
+        still running 30 s later; then their segments and directory go."""
+        if self.agent_dir is None:
+            return
+        table = _proc_table()
+        agents = {(pid, table[pid][1]) for pid in map(self.agent_pid, {n.name for n in self.nodes})
+                  if pid is not None and pid in table}
+        self._kill(agents, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while agents and time.monotonic() < deadline:
+            agents &= {(pid, start) for pid, (_, start) in _proc_table().items()}
+            time.sleep(0.05)
+        self._kill(agents)
+        for n in self.nodes:
+            for path in stale_segments(self.node_id(n.name)):
+                unlink(path)
+        shutil.rmtree(self.agent_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self
@@ -326,9 +400,10 @@ def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
              cooldown_s: float = 8.0, grace_s: float = 30.0, script: Path | None = None,
              timeout_s: float = 180.0,
              read_training: Callable[[str], dict[str, Any] | None] | None = None,
-             out: Callable[[str], None] = print) -> DemoResult:
-    """3 nodes → SIGTERM one (2) → a node joins (3) → another (4) → stop; each change once
-    the current world has trained ``phase_steps`` steps.
+             agents: bool = True, out: Callable[[str], None] = print) -> DemoResult:
+    """3 nodes → SIGTERM one (2) → a node joins (3) → another (4) → one is lost (3) → stop;
+    each change once the current world has trained ``phase_steps`` steps. ``agents``: every
+    node runs a ckptd node agent (restarts read from memory and peer copies).
 
     ``read_training(root)`` returns the latest checkpoint's training metadata (for the
     scale-up cooldown); without it, nodes join at once.
@@ -368,7 +443,8 @@ def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
         say(f"node {cluster.add_node().name} starts and joins the rendezvous")
         return t
 
-    with _interruptible(), Cluster(workdir, args, script=script, grace_s=grace_s) as cluster:
+    with _interruptible(), Cluster(workdir, args, script=script, grace_s=grace_s,
+                                   agents=agents) as cluster:
         cluster.start_store()
         for _ in range(3):
             cluster.add_node()
@@ -380,13 +456,19 @@ def run_demo(workdir: Path, *, phase_steps: int = 40, save_every: int = 10,
         say(f"SIGTERM to node {victim.name} (SIGKILL in {grace_s:g} s)")
         trained(cluster, 2, t_term)
         trained(cluster, 3, join(cluster))
-        trained(cluster, 4, join(cluster))
+        t_join = join(cluster)
+        trained(cluster, 4, t_join)
+        lost = cluster.alive()[1]
+        t_lost = cluster.lose(lost)
+        say(f"node {lost.name} is lost: SIGKILL to its trainer, torchrun agent and ckptd agent")
+        trained(cluster, 3, t_lost)
         stop.touch()
         say("stop requested")
         cluster.wait_for("the end of training", lambda e: e["ev"] == "done", timeout_s)
         codes = cluster.wait_exit(timeout_s)
         events = cluster.events()
-    bad = {name: c for name, c in codes.items() if c != 0 and name != victim.name}
+    bad = {name: c for name, c in codes.items() if c != 0 and name not in (victim.name,
+                                                                          lost.name)}
     if bad:
         raise DemoError(f"agents exited with {bad}; logs in {workdir}")
     phases = exactly_once(summarize(events), events, workdir / "samples",
@@ -398,20 +480,27 @@ def exactly_once(phases: list[Incarnation], events: list[dict[str, Any]], sample
                  order: GlobalOrder) -> list[Incarnation]:
     """``phases`` with ``exactly_once`` set: every step of a phase read, over all its ranks
     (the trainers' ``--sample-log`` files), exactly the samples of its positions of ``order``:
-    ``[consumed - global_batch, consumed)`` from rank 0's step event."""
-    logged: dict[int, list[int]] = {}
+    ``[consumed - global_batch, consumed)`` from rank 0's step event. Each phase is checked
+    against its own log lines and events (their time windows). Steps a lost node took with it
+    (the next phase started from an earlier checkpoint and trained them again) count in the
+    phase that trained them for good: the data stream the model saw is what is checked."""
+    logged: list[dict[str, Any]] = []
     for f in sample_dir.iterdir():
-        for line in f.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                logged.setdefault(rec["step"], []).extend(rec["samples"])
-    steps = {e["step"]: e for e in events if e["ev"] == "step" and e["rank"] == 0}
+        logged += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     out = []
-    for p in phases:
+    for i, p in enumerate(phases):
+        t0, t1 = p.window
+        last = min(p.last_step, phases[i + 1].first_step) if i + 1 < len(phases) else p.last_step
+        mine: dict[int, list[int]] = {}
+        for rec in logged:
+            if t0 <= rec["t"] < t1:
+                mine.setdefault(rec["step"], []).extend(rec["samples"])
+        steps = {e["step"]: e for e in events
+                 if e["ev"] == "step" and e["rank"] == 0 and t0 <= e["t"] < t1}
         ok = all(
-            s in steps and sorted(logged.get(s, [])) == sorted(
+            s in steps and sorted(mine.get(s, [])) == sorted(
                 order.index(q) for q in range(steps[s]["consumed"] - steps[s]["global_batch"],
                                               steps[s]["consumed"]))
-            for s in range(p.first_step + 1, p.last_step + 1))
+            for s in range(p.first_step + 1, last + 1))
         out.append(dataclasses.replace(p, exactly_once=ok))
     return out

@@ -13,7 +13,8 @@ version, documented in ``docs/elastic.md``::
      "consumed_samples": samples of every completed optimizer step up to the saved step,
      "history":   [{"step", "time", "reason", "world_size", "micro_batch_size",
                     "gradient_accumulation_steps", "zero_stage", "global_batch_size",
-                    "deviation", "consumed_samples", "load_s", "downtime_s"}, ...],
+                    "deviation", "consumed_samples", "load_s", "bytes_from_memory",
+                    "bytes_from_peer", "bytes_from_storage", "downtime_s"}, ...],
      "losses":    [[step, loss], ...]   (one point every "loss_stride" steps, <= 2048 points),
      "loss_stride": 1,
      "preempted_at": unix time of the SIGTERM that ended the saving incarnation, or null}
@@ -31,7 +32,6 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,6 +103,11 @@ class HistoryEntry:
     deviation: float  # global batch relative to the reference's
     consumed_samples: int
     load_s: float | None = None  # time the load took (None on a fresh start)
+    # where the load's bytes came from, over every rank (docs/agent.md): the node agents' own
+    # memory, the peer copies they hold of other nodes' parts, storage
+    bytes_from_memory: int | None = None
+    bytes_from_peer: int | None = None
+    bytes_from_storage: int | None = None
     downtime_s: float | None = None  # previous incarnation's SIGTERM -> first step here
 
     @classmethod
@@ -273,103 +278,3 @@ class PreemptionOutcome:
     grace_left_s: float | None  # grace left when the decision was taken
     signal_to_committed_s: float | None  # SIGTERM -> committed (None if nothing committed)
     nbytes: int  # bytes this rank wrote in the preemption save
-
-
-# ----------------------------------------------------------------------------- events
-class EventLog:
-    """The live event stream of an elastic run: JSON lines (``{"ev", "rank", "t", ...}``) to
-    the ``ckptd.elastic`` logger and, if given, appended to a local file (one ``write`` of an
-    O_APPEND descriptor per line, so the ranks of a node may share it). Events: ``resume``,
-    ``loaded``, ``training`` (first step of an incarnation), ``step`` (rank 0), ``save``,
-    ``sigterm``, ``preempting``, ``preempt``, ``done``; :func:`summarize` reads them back."""
-
-    def __init__(self, path: str | None, rank: int) -> None:
-        self.path, self.rank = path, rank
-
-    def emit(self, ev: str, *, quiet: bool = False, **fields: Any) -> None:
-        """``quiet``: the file only (inside a signal handler, stay away from logging's locks)."""
-        line = json.dumps({"ev": ev, "rank": self.rank, "t": time.time(), **fields})
-        if not quiet:
-            log.info("ckptd elastic %s", line)
-        if self.path:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, (line + "\n").encode())
-            finally:
-                os.close(fd)
-
-
-@dataclasses.dataclass(frozen=True)
-class Incarnation:
-    """One incarnation of the run, summarised from the workers' events."""
-
-    world: int
-    reason: str
-    first_step: int
-    last_step: int
-    training: dict[str, Any]
-    saves: int  # async saves (steps); their stalls are every rank's
-    stall_median_s: float | None
-    stall_max_s: float | None
-    load_s: float | None
-    ended_by: str  # "sigterm" or "done"
-    sigterm_to_committed_s: float | None  # the preemption save that ended it
-    downtime_s: float | None  # first SIGTERM of its end -> the next incarnation trains
-    # every step of the phase read exactly its positions of the global sample order (from the
-    # trainers' sample logs); None when no log was kept
-    exactly_once: bool | None = None
-
-
-def summarize(events: list[dict[str, Any]]) -> list[Incarnation]:
-    """Phases from the events of every incarnation (``resume`` events of rank 0 delimit them)."""
-    starts = [e for e in events if e["ev"] == "resume" and e["rank"] == 0]
-    phases = []
-    for i, start in enumerate(starts):
-        # an incarnation owns the events from 1 s before its rank 0 planned (other ranks may
-        # log a moment earlier) to 1 s before the next one did (a restart takes seconds)
-        t0 = start["t"] - 1.0
-        t1 = starts[i + 1]["t"] - 1.0 if i + 1 < len(starts) else float("inf")
-        mine = [e for e in events if t0 <= e["t"] < t1]
-        steps = [e["step"] for e in mine if e["ev"] == "step"]
-        saves = [e for e in mine if e["ev"] == "save"]
-        stalls = sorted(e["stall_s"] for e in saves)  # every rank's
-        loads = [e["load_s"] for e in mine if e["ev"] == "loaded"]
-        sigterms = [e["t"] for e in mine if e["ev"] == "sigterm"]
-        committed = [e["signal_to_committed_s"] for e in mine if e["ev"] == "preempt"
-                     and e["signal_to_committed_s"] is not None and e["signalled"]]
-        nxt = [e["t"] for e in events if e["ev"] == "training" and e["t"] >= t1]
-        phases.append(Incarnation(
-            world=start["world"], reason=start["reason"], first_step=start["step"],
-            last_step=max(steps, default=start["step"]), training=start["training"],
-            saves=len({e["step"] for e in saves}),
-            stall_median_s=stalls[len(stalls) // 2] if stalls else None,
-            stall_max_s=stalls[-1] if stalls else None, load_s=max(loads, default=None),
-            ended_by="sigterm" if sigterms else "done",
-            sigterm_to_committed_s=max(committed, default=None),
-            downtime_s=min(nxt) - min(sigterms) if sigterms and nxt else None))
-    return phases
-
-
-def render_phases(phases: list[Incarnation]) -> str:
-    def ms(x: float | None) -> str:
-        return "—" if x is None else f"{x * 1e3:.1f} ms"
-
-    def s(x: float | None) -> str:
-        return "—" if x is None else f"{x:.2f} s"
-
-    def once(x: bool | None) -> str:
-        return "—" if x is None else "yes" if x else "**NO**"
-
-    head = ("| phase | world | steps | micro × accum | ZeRO | global batch | async saves | "
-            "stall median / max | load | ended by | SIGTERM → committed | downtime | "
-            "exactly once |")
-    lines = [head, "|" + "---:|" * 5 + "---:|---:|---|---:|---|---:|---:|---|"]
-    for i, p in enumerate(phases, 1):
-        t = p.training
-        lines.append(
-            f"| {i} ({p.reason}) | {p.world} | {p.first_step}–{p.last_step} | "
-            f"{t['micro_batch_size']} × {t['gradient_accumulation_steps']} | {t['zero_stage']} | "
-            f"{p.world * t['micro_batch_size'] * t['gradient_accumulation_steps']} | {p.saves} | "
-            f"{ms(p.stall_median_s)} / {ms(p.stall_max_s)} | {s(p.load_s)} | {p.ended_by} | "
-            f"{s(p.sigterm_to_committed_s)} | {s(p.downtime_s)} | {once(p.exactly_once)} |")
-    return "\n".join(lines)

@@ -33,10 +33,10 @@ from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
 from ckptd.data.sampler import Order
 from ckptd.elastic import preemption
+from ckptd.elastic.events import EventLog
 from ckptd.elastic.history import (
     EXIT_RESTART,
     ElasticPolicy,
-    EventLog,
     HistoryEntry,
     PreemptionOutcome,
     TrainingMeta,
@@ -46,7 +46,7 @@ from ckptd.elastic.history import (
 from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec, replan
 from ckptd.reshard.committed import LoadResult
 from ckptd.sharding import describe
-from ckptd.world import dist_or_none
+from ckptd.world import dist_or_none, gather_object
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 
 log = logging.getLogger("ckptd.elastic")
@@ -152,15 +152,20 @@ class ElasticRun:
     # ------------------------------------------------------------------ progress
     def load(self, state: Any, *, strict: bool = True) -> LoadResult | None:
         """Fill ``state`` (built for :attr:`training`) from the checkpoint this run resumes;
-        ``None`` on a fresh start. Records the load time in the history entry."""
+        ``None`` on a fresh start. Records in the history entry the load time and where the
+        job's bytes came from (the node agents' memory, their peer copies, storage)."""
         if self.resumed_step is None:
             return None
         t0 = time.perf_counter()
         result = self.ckpt.load(state, step=self.resumed_step, strict=strict)
         load_s = time.perf_counter() - t0
-        self._set_entry(load_s=load_s)
+        mine = (result.nbytes_from_memory, result.nbytes_from_peer, result.nbytes_from_storage)
+        memory, peer, storage = (sum(n) for n in zip(*gather_object(mine), strict=True))
+        self._set_entry(load_s=load_s, bytes_from_memory=memory, bytes_from_peer=peer,
+                        bytes_from_storage=storage)
         self._events.emit("loaded", step=result.step, load_s=load_s,
-                          nbytes_read=result.nbytes_read)
+                          nbytes_read=result.nbytes_read, from_memory=mine[0],
+                          from_peer=mine[1], from_storage=mine[2])
         return result
 
     def step_done(self, loss: float | None = None) -> None:

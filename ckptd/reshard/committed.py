@@ -39,13 +39,14 @@ class LoadResult:
     # frames it read from the frame tables
     tensors_decoded: int = 0
     frames_read: int = 0
-    # of nbytes_read, the bytes the node agent's memory served (docs/agent.md); the rest came
-    # from storage
+    # of nbytes_read, the bytes the node agent's memory served (docs/agent.md): this node's
+    # own files, and the peer copies it holds of other nodes' files; the rest came from storage
     nbytes_from_memory: int = 0
+    nbytes_from_peer: int = 0
 
     @property
     def nbytes_from_storage(self) -> int:
-        return self.nbytes_read - self.nbytes_from_memory
+        return self.nbytes_read - self.nbytes_from_memory - self.nbytes_from_peer
 
 
 @dataclass(frozen=True)

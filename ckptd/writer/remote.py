@@ -63,11 +63,24 @@ class Offload(Protocol):
 
     def close(self) -> None: ...
 
-    def kept(self) -> tuple[dict[str, memoryview], int]:
-        """Data files of this root held in the agent's memory (path -> bytes), unchanged
-        until ``unpin(lease)``."""
+    def kept(self) -> Held:
+        """What the agent holds of this root, unchanged until ``unpin(held.lease)``."""
 
     def unpin(self, lease: int) -> None: ...
+
+    def committed(self, rank: int, step: int) -> None:
+        """The trainer saw ``rank``'s ``step`` commit (a step the agent wrote but did not
+        commit itself): older steps may go."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """A node agent's memory as one load sees it."""
+
+    files: dict[str, memoryview]  # data files of the root (path -> bytes, mapped read-only)
+    lease: int  # keeps them unchanged until the load lets go
+    copies: set[str]  # which of them are peer copies (another node's files)
+    address: tuple[str, int] | None  # the agent's peer server (None: no job secret)
 
 
 @dataclass(frozen=True)

@@ -309,6 +309,15 @@ class Saver:
         self._writer.discard(job.share, n_files(job.rounds))
         job.handle.mark_failed(error, reported=True)
 
+    def _tell_committed(self, rank: int, step: int) -> None:
+        """The agent keeps a step it wrote but did not commit beside the committed one until
+        it hears of the commit (``docs/agent.md``)."""
+        assert self.offload is not None
+        try:
+            self.offload.committed(rank, step)
+        except CkptdError as e:  # lost: it holds nothing any more
+            log.warning("ckptd: the node agent did not take note of step %d's commit: %s", step, e)
+
     # ------------------------------------------------------------------ the save thread's half
     def _finish(self, job: _Job, stage_here: bool) -> None:
         """Stage (``overlap=True``), finish the writes, write the partial, commit or wait for
@@ -348,6 +357,8 @@ class Saver:
                                   overwrite=job.overwrite, signals=self.signals)
             else:
                 commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
+                if on_agent is not None:
+                    self._tell_committed(share.rank, share.step)
             nbytes = (on_agent if on_agent is not None else stored_bytes(job.chunks)
                       if job.chunks else sum(r.nbytes for r in job.rounds))
             result = SaveResult(share.step, h.url, nbytes, h.stall_s,

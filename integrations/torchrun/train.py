@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(step_buf)  # over the world: TP ranks hold equal losses, hence / tp
         run.step_done(float(step_buf[0]) / tp / t.global_batch_size)
         if sample_log is not None and tp_rank == 0:
-            sample_log.write(json.dumps({"step": run.step, "rank": dp_rank,
+            sample_log.write(json.dumps({"step": run.step, "rank": dp_rank, "t": time.time(),
                                          "samples": indices}) + "\n")
             sample_log.flush()
         if step_buf[1] > 0:

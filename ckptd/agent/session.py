@@ -1,0 +1,203 @@
+"""One client of the node agent (a Checkpointer of one rank): its requests, its segments, its
+jobs in order (``docs/agent.md``). A session's jobs run to the end when its trainer dies."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ckptd import config
+from ckptd.agent import wire
+from ckptd.agent.memory import Kept
+from ckptd.agent.shm import Segment
+from ckptd.manifest import codecs, layout
+from ckptd.writer import remote
+
+if TYPE_CHECKING:
+    from ckptd.agent.server import Agent
+
+log = logging.getLogger("ckptd.agent")
+
+
+def background() -> None:
+    """Run this thread (a writer's) at ``$CKPTD_AGENT_NICE`` (default 10): on a node whose
+    cores are busy, training gets the CPU first and the write the rest (``docs/agent.md``,
+    *Tradeoffs*). Linux niceness is per thread; the agent's session and heartbeat threads keep
+    theirs, so it still answers at once."""
+    nice = int(os.environ.get("CKPTD_AGENT_NICE", "10"))
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as e:  # not Linux, or not allowed: the default priority
+            log.info("ckptd agent: writer threads keep their priority (%s)", e)
+
+
+class Session:
+    """One client (a Checkpointer of one rank): its segments, its jobs in order."""
+
+    def __init__(self, agent: Agent, conn: socket.socket, pid: int) -> None:
+        self.agent, self.conn, self.pid = agent, conn, pid
+        self.segments: dict[int, Segment] = {}
+        self._send_lock = threading.Lock()
+        self._open = True
+        self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"ckptd-job-{pid}",
+                                        initializer=background)
+        self._io: ThreadPoolExecutor | None = None
+        self._next_segment = 0
+        self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
+        self._next_lease = 0
+
+    def reply(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            if not self._open:
+                return
+            try:
+                wire.send(self.conn, msg)
+            except OSError:
+                self._open = False  # the trainer is gone; its jobs go on
+
+    def serve(self) -> None:
+        beat = threading.Thread(target=self._heartbeat, daemon=True)
+        beat.start()
+        try:
+            while True:
+                try:
+                    msg = wire.recv(self.conn)
+                except (ConnectionError, OSError, ValueError):
+                    return
+                try:
+                    self._handle(msg)
+                except Exception as e:  # noqa: BLE001 - a bad request fails that request
+                    log.warning("ckptd agent: request from pid %d failed: %s", self.pid, e)
+                    self.reply({"id": msg.get("id"), "op": "failed", "error": str(e),
+                                "kind": type(e).__name__})
+        finally:
+            with self._send_lock:
+                self._open = False
+            self.conn.close()
+            for pinned in self._leases.values():
+                for k in pinned:
+                    self.agent.memory.pin(k, -1)
+            self.agent.memory.orphan(self)
+            for seg in self.segments.values():  # names go; a job still using one maps it
+                if not self.agent.memory.is_kept(seg):
+                    self.agent.memory.forget(seg)
+            self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
+            self.agent.session_ended(self)
+
+    def _heartbeat(self) -> None:
+        while self._open and not self.agent.stopping.is_set():
+            self.reply({"op": "alive"})
+            time.sleep(wire.HEARTBEAT_S)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op, rid = msg.get("op"), msg.get("id")
+        if op == "hello":
+            spec = msg.get("storage") or {}
+            if self.agent.replicator is not None and spec.get("url"):
+                # announced before the first save, so that every node's first copy finds its
+                # peers
+                self.agent.replicator.register(self.agent.storage(spec))
+            threads = max(1, int(msg.get("threads", config.io_threads())))
+            if self._io is None:
+                self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}",
+                                              initializer=background)
+            self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
+                        "version": remote.VERSION, "keep": self.agent.keep_in_memory,
+                        "peers": self.agent.replicator is not None})
+        elif op == "arena":
+            nbytes = int(msg["nbytes"])
+            self._next_segment += 1
+            seg = self.agent.memory.create(nbytes, f"{self.agent.node}+{self.pid}")
+            self.segments[self._next_segment] = seg
+            self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
+                        "path": seg.path})
+        elif op == "free":
+            freed = self.segments.pop(int(msg["segment"]), None)  # a job using it holds it
+            if freed is not None and not self.agent.memory.is_kept(freed):
+                self.agent.memory.forget(freed)
+        elif op == "save":
+            # the trainer does not wait for an answer: a job that does not decode fails
+            # through its "failed" reply
+            seg = self.segments[int(msg["segment"])]
+            run = str(msg["job"]["commit"]["run_id"])
+            self.agent.job_started(run)
+            self._jobs.submit(self._run, int(msg["id"]), run, msg, int(msg["segment"]))
+        elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
+            threading.Thread(target=self._drained,
+                             args=(rid, str(msg["run"]), float(msg["timeout_s"])),
+                             daemon=True).start()
+        elif op == "kept":  # a load: what memory holds, pinned until "unpin" (or we end)
+            files, pinned = self.agent.memory.pin_files(msg["storage"])
+            self._next_lease += 1
+            self._leases[self._next_lease] = pinned
+            address = self.agent.peers.address if self.agent.peers is not None else None
+            self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease,
+                        "address": address})
+        elif op == "unpin":
+            for k in self._leases.pop(int(msg["lease"]), []):
+                self.agent.memory.pin(k, -1)
+        elif op == "committed":  # a trainer saw its step commit (rank 0's agent commits)
+            rank, step = int(msg["rank"]), int(msg["step"])
+            kept, released = self.agent.memory.committed(msg["storage"], rank, step, self)
+            if kept is not None:
+                self.agent.replicate(msg["storage"], rank, kept)
+            if released:  # before the reply: the trainer has them back when it returns
+                self.reply({"op": "released", "segments": released})
+            self.reply({"id": rid, "op": "committed"})
+        elif op == "stop":
+            self.agent.stopping.set()
+            self.reply({"id": rid, "op": "stopping"})
+        else:
+            raise ValueError(f"unknown request {op!r}")
+
+    def _keep(self, job: remote.Job, seg: Segment, seg_id: int) -> Kept | None:
+        """The memory tier's copy of this step: the arena itself (no copy); committed if this
+        agent committed it (rank 0's). Only uncompressed files: there the arena range is the
+        file."""
+        if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
+            return None
+        share = job.share
+        step_dir = layout.step_dir(share.step)
+        files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
+                 (p.start, p.end) for p in job.round.plans}
+        return Kept(share.step, seg, files, self, seg_id, committed=share.rank == 0)
+
+    def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
+        left = self.agent.wait_idle(timeout_s, but=run)
+        self.reply({"id": rid, "op": "drained", "busy": left})
+
+    def _run(self, rid: int, run: str, msg: dict[str, Any], seg_id: int) -> None:
+        share = msg["job"].get("share", {})
+        what = f"rank {share.get('rank')} step {share.get('step')}"
+        try:
+            assert self._io is not None, "hello first"
+            seg = self.segments[seg_id]
+            job = remote.decode(msg["job"], seg.tensor)
+            storage = self.agent.storage(msg["storage"])
+            out = remote.run(storage, self._io, job, seg.tensor)
+            out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
+                                                    out["nbytes"], out["write_s"])
+            kept = self._keep(job, seg, seg_id)
+            out["kept"] = kept is not None
+            out["released"] = (self.agent.memory.keep(msg["storage"], job.share.rank, kept)
+                               if kept is not None else [])
+            if kept is not None and kept.committed:
+                self.agent.replicate(msg["storage"], job.share.rank, kept)
+            log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
+                     out["write_s"], ", committed" if job.share.rank == 0 else "")
+            self.reply({"id": rid, "op": "done", **out})
+            remote.apply_retention(storage, job)
+        except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
+            log.error("ckptd agent: %s failed: %s", what, e)
+            self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
+        finally:
+            self.agent.job_ended(run)
+
+
+__all__ = ["Session"]
