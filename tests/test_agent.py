@@ -321,7 +321,7 @@ def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):
             first.kill()
 
 
-def test_the_agent_writes_at_a_lower_priority_and_answers_at_the_normal_one(tmp_path, agents):
+def test_the_agent_s_writers_yield_to_its_session_threads(tmp_path, agents):
     with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1, agent=True) as c:
         c.save(_big(1))
         pid = agents.pid()

@@ -24,15 +24,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.agent")
 
 
+def nice() -> int:
+    """``$CKPTD_AGENT_NICE`` (default 10): how far the agent's writing yields to training."""
+    return max(0, int(os.environ.get("CKPTD_AGENT_NICE", "10")))
+
+
 def background() -> None:
-    """Run this thread (a writer's) at ``$CKPTD_AGENT_NICE`` (default 10): on a node whose
-    cores are busy, training gets the CPU first and the write the rest (``docs/agent.md``,
-    *Tradeoffs*). Linux niceness is per thread; the agent's session and heartbeat threads keep
-    theirs, so it still answers at once."""
-    nice = int(os.environ.get("CKPTD_AGENT_NICE", "10"))
-    if nice > 0:
+    """Run this thread (a writer's) at ``nice()`` within the agent: its session and heartbeat
+    threads keep niceness 0, so it answers at once while it writes (Linux niceness is per
+    thread). It does not lower the agent's share against the trainers: with autogroups (on by
+    default) CPU time is shared between sessions first, and the agent has a session of its own.
+    Niceing that autogroup too starved the heartbeats under load (``docs/agent.md``,
+    *Tradeoffs*)."""
+    if nice() > 0:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice())
         except OSError as e:  # not Linux, or not allowed: the default priority
             log.info("ckptd agent: writer threads keep their priority (%s)", e)
 
