@@ -16,6 +16,10 @@ and the **restart**: the newest step loaded at W - 1 ranks (a node lost, the job
 smaller) from the agent's memory (``agent=True``) and from storage with a cold page cache
 (``agent=False``, caches dropped when this runs as root), with the bytes each took from memory.
 
+and the **restart to the first step** at W - 1 ranks, the same two ways: ``torchrun`` starts
+fresh processes that import torch, join a process group, allocate the state, load it and run one
+compute step (wall time from the launch to the first step done on every rank).
+
 and the **compute slowdown**: a training-like loop (``common.Compute``: matmuls and small ops)
 run while the save is in flight, its iterations/s against the same loop just before (the slowest
 rank's ratio; median over ``--saves`` more saves).
@@ -123,6 +127,58 @@ def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str
     return {"load": took, "read": r.nbytes_read, "memory": r.nbytes_from_memory}
 
 
+def _empty_state(size: int, rank: int, world: int) -> common.State:
+    """``common.build_state``'s tensors, allocated and not filled (what a restart loads into)."""
+    shape = common.plan_shape(size, 8, max(world, 4))
+    state = common.State(shape, rank, world)
+    for group, dtype in common.GROUPS:
+        for fqn, gshape in shape.params():
+            rows = gshape[0] // world
+            state.leaves.append(common.Leaf(f"{group}/{fqn}",
+                                            torch.empty((rows, *gshape[1:]), dtype=dtype),
+                                            gshape, (rank * rows,) + (0,) * (len(gshape) - 1)))
+    return state
+
+
+def _first_step(root: str, size: int, agent: bool, t0: float) -> None:
+    """One restarted rank (under torchrun): join, allocate, load, one compute step."""
+    import json
+
+    import ckptd
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    state = _empty_state(size, rank, world)
+    with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
+        r = ckpt.load(state.ckptd_tree(), strict=False)
+    common.Compute().step()
+    dist.barrier()
+    took = _slowest(time.time() - t0)
+    memory = torch.tensor([r.nbytes_from_memory + r.nbytes_from_peer, r.nbytes_read],
+                          dtype=torch.float64)
+    dist.all_reduce(memory)
+    if rank == 0:
+        print(json.dumps({"first_step_s": took, "memory": memory[0].item(),
+                          "read": memory[1].item()}), flush=True)
+    dist.destroy_process_group()
+
+
+def _restart(root: str, size: int, world: int, agent: bool) -> dict[str, float]:
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", os.path.abspath(__file__), "--first-step", root,
+           "--size", str(size), "--t0", repr(time.time())] + (["--agent"] if agent else [])
+    p = subprocess.run(cmd, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        raise SystemExit(f"restart failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
     x = 0
     while not stop.is_set():
@@ -137,10 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--contend", default="0,2", help="busy processes, comma-separated")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--first-step", default=None, help=argparse.SUPPRESS)  # a restarted rank
+    ap.add_argument("--t0", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = common.parse_size(args.size)
+    if args.first_step:
+        _first_step(args.first_step, size, args.agent, args.t0)
+        return
     rows = []
     loads: list[tuple[str, list[dict[str, float]]]] = []
+    restarts: list[tuple[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="ckptd-agent-", dir=args.dir or
                                      common.default_dir()) as root:
         agent_dir = tempfile.mkdtemp(prefix="ckab")
@@ -167,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                                                timeout=1800)
                             loads.append(("memory (agent)" if agent else
                                           "storage" + (", cold cache" if cold else ""), ld))
+                        for agent in (True, False):
+                            cold = agent or common.drop_caches()
+                            restarts.append((
+                                "memory (agent)" if agent else
+                                "storage" + (", cold cache" if cold else ""),
+                                _restart(os.path.join(root, f"c{busy}"), size, args.world - 1,
+                                         agent)))
                 finally:
                     stop.set()
                     for p in spinners:
@@ -190,9 +260,6 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
               f"{r['slowdown']:.2f}× |")
-
-
-
     if loads:
         print(f"\nrestart at {args.world - 1} ranks: load of the newest step (slowest rank)\n")
         print("| from | load | bytes read | from memory |\n|---|---:|---:|---:|")
@@ -201,6 +268,14 @@ def main(argv: list[str] | None = None) -> None:
             mem = sum(x["memory"] for x in ld)
             print(f"| {name} | {ld[0]['load'] * 1e3:.0f} ms | {common.fmt_bytes(read)} | "
                   f"{common.fmt_bytes(mem)} |")
+
+    if restarts:
+        print(f"\nrestart at {args.world - 1} ranks under torchrun: launch to the first step "
+              "(every rank)\n")
+        print("| from | first step | bytes read | from memory |\n|---|---:|---:|---:|")
+        for name, rs in restarts:
+            print(f"| {name} | {rs['first_step_s'] * 1e3:.0f} ms | "
+                  f"{common.fmt_bytes(rs['read'])} | {common.fmt_bytes(rs['memory'])} |")
 
 
 if __name__ == "__main__":
