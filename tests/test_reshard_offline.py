@@ -46,6 +46,12 @@ RUN_TIMEOUT_S = 150.0
 PG_TIMEOUT_S = 30.0
 # rewritten with --compression zstd into tmp_path (the others: raw, into tmpfs when there is one)
 COMPRESSED_TARGETS = {"dp2_zero1", "tp2_pp2", "dtensor_dp3"}
+# the default run rewrites the sources for three targets (plain; TP x PP x ZeRO-3; DTensor,
+# compressed); the matrix's other default targets are `slow` here (CI time): test_reshard_matrix
+# loads every source into them online
+OFFLINE_DEFAULT = {"single", "tp2_pp2_dp2_zero3", "dtensor_dp3"}
+OFFLINE_TARGETS = [pytest.param(p.values[0], marks=p.marks if p.values[0] in OFFLINE_DEFAULT
+                                else pytest.mark.slow) for p in TARGETS]
 
 
 def _save_in_process(layout_name: str, root: str) -> None:
@@ -119,7 +125,7 @@ def _load_worker(rank: int, world: int, target: str, roots: list[tuple[str, str]
     return out
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", OFFLINE_TARGETS)
 def test_every_layout_resharded_offline_loads_bit_exact_reading_one_run_per_file(
     target: str, sources: dict[str, str], tmp_path: Path
 ) -> None:
