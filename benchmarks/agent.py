@@ -155,12 +155,12 @@ def _first_step(root: str, size: int, agent: bool, t0: float) -> None:
     common.Compute().step()
     dist.barrier()
     took = _slowest(time.time() - t0)
-    memory = torch.tensor([r.nbytes_from_memory + r.nbytes_from_peer, r.nbytes_read],
+    counts = torch.tensor([r.nbytes_from_memory + r.nbytes_from_peer, r.nbytes_read],
                           dtype=torch.float64)
-    dist.all_reduce(memory)
+    dist.all_reduce(counts)  # over the ranks: bytes from memory, bytes read
     if rank == 0:
-        print(json.dumps({"first_step_s": took, "memory": memory[0].item(),
-                          "read": memory[1].item()}), flush=True)
+        print(json.dumps({"first_step_s": took, "memory": counts[0].item(),
+                          "read": counts[1].item()}), flush=True)
     dist.destroy_process_group()
 
 

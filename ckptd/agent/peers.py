@@ -65,6 +65,15 @@ def _recv_into(sock: socket.socket, into: memoryview) -> None:
         got += k
 
 
+def _answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
+    """The connecting side of the challenge :meth:`PeerServer._handle` poses: the HMAC of its
+    nonce; ``ConnectionError(refused)`` if the answer is not accepted."""
+    nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
+    wire.send(sock, {"mac": hmac.new(secret, nonce, hashlib.sha256).hexdigest()})
+    if not wire.recv(sock, 4096).get("ok"):
+        raise ConnectionError(refused)
+
+
 Finish = Callable[[bool], None]
 
 
@@ -194,10 +203,8 @@ class PeerReads:
         sock = socket.create_connection(address, timeout=min(self.timeout_s, 5.0))
         try:
             sock.settimeout(self.timeout_s)
-            nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
-            wire.send(sock, {"mac": hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()})
-            if not wire.recv(sock, 4096).get("ok"):
-                raise ConnectionError(f"agent at {address[0]}:{address[1]} refused this job")
+            _answer_challenge(sock, self.secret,
+                              f"agent at {address[0]}:{address[1]} refused this job")
         except BaseException:
             sock.close()
             raise
@@ -290,10 +297,7 @@ class Replicator:
     def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
         """One copy to ``peer``: True if it holds it now, False if it had no room."""
         with socket.create_connection((peer["host"], int(peer["port"])), timeout=60) as s:
-            nonce = bytes.fromhex(wire.recv(s, 4096)["nonce"])
-            wire.send(s, {"mac": hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()})
-            if not wire.recv(s, 4096).get("ok"):
-                raise ConnectionError(f"node {peer['node']} refused this agent")
+            _answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
             wire.send(s, {"spec": item.spec, "origin": self.node, "rank": item.rank,
                           "step": item.step,
                           "files": {p: len(m) for p, m in item.files.items()}})

@@ -6,8 +6,8 @@ into its shared memory — so a save outlives the process that made it.
 One agent per (user, node): the running agent holds ``agent-<node>.lock``; a second one exits at
 once. Each client connection is a session (:mod:`ckptd.agent.session`) with its own segments and
 its own job thread (saves of one rank commit in order); a session's jobs run to the end when its
-trainer dies. Clients of
-another user are refused by the kernel's peer credentials, whatever the socket's mode.
+trainer dies. Clients of another user are refused by the kernel's peer credentials, whatever the
+socket's mode.
 
 SIGTERM or a ``stop`` request: stop accepting, finish every job, exit. With no client and no job
 for ``--idle-exit`` seconds the agent exits by itself (a job's agent does not outlive it for

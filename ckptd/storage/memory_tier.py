@@ -61,22 +61,23 @@ class MemoryTier(Delegating):
             if path in self.copies or path in self.remote:
                 self.served_peer += n
 
-    def _fallback(self, path: str, e: OSError) -> bool:
-        """A remote read failed: say so once per file; True the first time."""
+    def _fallback(self, path: str, e: OSError) -> None:
+        """A remote read failed: later reads of ``path`` go to storage; said once per file."""
         with self._lock:
             first = path not in self._failed
             self._failed.add(path)
         if first:
             log.warning("ckptd: %s: reading it from %r failed (%s); reading it from storage",
                         path, self.remote[path], e)
-        return first
 
 
 class _TierSession:
     def __init__(self, tier: MemoryTier, paths: Sequence[str], inner: ReadSession | None
                  ) -> None:
         self.tier, self.inner = tier, inner
-        self._fallback: ReadSession | None = None
+        # remote files read from storage after a failure, one session each: opened once, closed
+        # with this session (never while another thread may be reading through it)
+        self._fallback: dict[str, ReadSession] = {}
         self._lock = threading.Lock()
         self.sizes = {**(inner.sizes if inner else {}),
                       **{p: len(m) for p, m in tier.files.items()},
@@ -114,11 +115,9 @@ class _TierSession:
             except OSError as e:
                 self.tier._fallback(path, e)
         with self._lock:
-            if self._fallback is None or path not in self._fallback.sizes:
-                if self._fallback is not None:
-                    self._fallback.close()
-                self._fallback = self.tier.base.open_read(sorted(self.tier._failed))
-            session = self._fallback
+            session = self._fallback.get(path)
+            if session is None:
+                session = self._fallback[path] = self.tier.base.open_read([path])
         session.read_into(path, offset, buf)
 
     def read(self, path: str, offset: int, length: int) -> Buffer:
@@ -134,8 +133,8 @@ class _TierSession:
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
-        if self._fallback is not None:
-            self._fallback.close()
+        for session in self._fallback.values():
+            session.close()
 
 
 __all__ = ["MemoryTier", "Remote"]

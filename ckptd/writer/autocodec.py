@@ -65,7 +65,6 @@ class AutoCodec:
         self.zstd_bps = len(sample) / dt
         self.ratio = len(sample) / max(1, len(stored))
 
-
     def observe_save(self, nbytes: int, seconds: float, codec: str,
                      slots: list[tuple[torch.Tensor, int, int]], arena: torch.Tensor) -> None:
         """A save's write bandwidth and, once, a compressor sample of its largest float slot
