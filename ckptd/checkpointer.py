@@ -178,6 +178,12 @@ class Checkpointer:
         latest = self.latest_step()
         return 0 if latest is None else latest + 1
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether this rank's saves go to a node agent that, stopping (SIGTERM) and unable to
+        write a save inside the grace window, hands it to a peer's agent (``docs/agent.md``)."""
+        return self._saver is not None and self._saver.hands_off
+
     def wait(self) -> None:
         """Block until every in-flight save is committed; raise the first background error."""
         if self._saver is not None:

@@ -671,3 +671,104 @@ def test_a_remote_read_that_fails_is_read_from_storage_once_warned(tmp_path, cap
     warnings = [r.getMessage() for r in caplog.records
                 if "reading it from storage" in r.getMessage()]
     assert len(warnings) == 1 and "r00001-0.bin" in warnings[0]
+
+
+# ----------------------------------------------------------------------------- SIGTERM hand-off
+def _handoff_records(root: str, step: int) -> list[dict]:
+    from ckptd.agent import handoff
+    from ckptd.storage import open_storage
+    return handoff.read_records(open_storage(root), step)
+
+
+def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer(
+        tmp_path, agents, monkeypatch):
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    # node b's agent serves this root (its trainers said hello): it is a's successor in the ring
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    try:
+        # node a's storage writes 1 kB/s as far as its agent knows: 16 MiB take hours, > 30 s
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", "1000")
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
+            first = c.save(_big(1))  # not stopping: node a writes it, however slowly
+            assert first.handed_to is None
+            pid_a = agents.pid()
+            os.kill(pid_a, signal.SIGTERM)
+            _wait(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
+            # the trainer's last save comes after the SIGTERM: a still takes it, cannot write
+            # it in the grace left, and hands it to b, which writes and commits it
+            h = c.save_async(_big(2))
+            assert h.wait_safe(60)
+            assert h.handed_to == b
+            second = h.result(60)
+            assert second.handed_to == b
+        _wait(lambda: not _alive(pid_a), 30, "node a's agent to exit once its trainer closed")
+        _check(root, 2)
+        assert _latest(root) == 2
+        (record,) = _handoff_records(root, 2)
+        assert (record["from"], record["to"], record["rank"], record["step"]) == (a, b, 0, 2)
+        assert _handoff_records(root, 1) == []
+        log_b = open(wire.paths(b, agents.dir)["log"]).read()
+        assert f"wrote node {a}'s rank 0 step 2" in log_b
+        assert "handed to node" in agents.log()
+    finally:
+        on_b.close()
+
+
+def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_path, agents,
+                                                                          monkeypatch):
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")  # but no other node
+    monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", "1000")
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
+        c.save(_big(1))
+        os.kill(agents.pid(), signal.SIGTERM)
+        _wait(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
+        assert c.save(_big(2)).handed_to is None  # late, perhaps, but not lost
+    _check(root, 2)
+    assert _handoff_records(root, 2) == []
+
+
+def test_a_preemption_save_the_node_cannot_write_in_time_is_safe_via_a_peer_and_recorded(
+        tmp_path, agents, monkeypatch, clean_sigterm):
+    from ckptd import elastic
+    from ckptd.elastic import preemption
+
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    reference = elastic.TrainingSpec(1, 1, 2, 2, 16)
+    model = elastic.ModelSpec(hidden_size=32, num_hidden_layers=2, num_parameters=20_000)
+    policy = elastic.ElasticPolicy(tolerance=0.0, mem_limit_gib=1.0, max_micro_batch_size=4)
+    try:
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", "1000")  # node a: 16 MiB need hours
+        ckpt = ckptd.Checkpointer(root, rank=0, world_size=1, agent=True)
+        try:
+            assert ckpt.hands_off
+            run = elastic.resume(ckpt, reference=reference, model=model, policy=policy)
+            run.step_done()
+            run.save(_big(1))
+            run.step_done()
+            os.kill(agents.pid(), signal.SIGTERM)  # the node is being preempted: its agent
+            _wait(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
+            os.kill(os.getpid(), signal.SIGTERM)  # ... and its trainer
+            assert ckptd.preempted()
+            out = run.save_on_preemption(_big(2))
+            assert (out.safe_via, out.saved, out.exit_code) == (f"peer {b}", False, 0)
+            assert "handed to node" in out.reason
+        finally:
+            ckpt.close()  # its save thread waits for node b's commit
+        assert _latest(root) == 2
+        _check(root, 2)
+        preemption.uninstall()
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=False) as again:
+            nxt = elastic.resume(again, reference=reference, model=model, policy=policy)
+            assert nxt.resumed_step == 2
+            assert nxt.entry.safe_via == f"peer {b}"
+            assert nxt.meta.history[0].safe_via is None  # the first start resumed nothing
+        (record,) = _handoff_records(root, 2)
+        assert (record["from"], record["to"]) == (a, b)
+    finally:
+        on_b.close()

@@ -155,7 +155,7 @@ def test_history_prints_the_churn_and_writes_a_png(
                        "tolerance ±10%")
     assert text[1].split()[10:12] == ["consumed", "epoch"]
     assert text[3].split() == ["0", "start", "3", "2", "2", "1", "12", "+0.00", "0", "0", "—",
-                               "—", "—"]
+                               "—", "—", "—"]
     assert text[4].split()[:10] == ["4", "scale-down", "2", "3", "2", "1", "12", "+0.00", "48",
                                     "1"]
     # no node agent: the restart read every byte from storage

@@ -282,6 +282,7 @@ def test_the_next_incarnation_records_its_downtime_from_the_sigterm(
     assert run.save_on_preemption(state).saved
     preemption_module.uninstall()
     run = new_run(ckpt, 2, tmp_path)
+    assert run.entry.safe_via == "storage"  # the preemption save was written in the grace
     run.load(state)
     assert run.entry.downtime_s is None
     train(run, buf, 1)

@@ -12,6 +12,10 @@ that a node lost with its memory is read from a peer's memory, not from storage.
 * **When**: after the step is written and the trainer told, on a thread of its own, at most
   ``$CKPTD_PEER_RATE`` bytes/s (default unlimited): replication never delays a commit or the
   trainer. A copy that does not fit the receiver's memory budget is skipped with a warning.
+* **Hand-off**: a stopping agent (SIGTERM) whose node cannot write a save inside the grace left
+  sends that save's job and staged bytes to the next agent of the ring that is not stopping,
+  which writes it (files, partial, on rank 0 the commit) as if its own trainer had staged it
+  (:meth:`Replicator.hand_off`, ``docs/agent.md``).
 """
 
 from __future__ import annotations
@@ -80,17 +84,23 @@ Finish = Callable[[bool], None]
 Lookup = Callable[[dict[str, Any], str], tuple[memoryview, Callable[[], None]] | None]
 
 
+Accept = Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None]
+
+
 class PeerServer:
-    """Receives peer copies and answers range reads, from agents and loaders of the same job.
+    """Receives peer copies and hand-offs and answers range reads, from agents and loaders of
+    the same job.
 
     ``accept(header, nbytes)`` gives the memory to receive a copy into and what to call once it
-    is received (True) or the transfer failed (False); None refuses it. ``lookup(spec, path)``
-    gives a file held in memory and what to call when it has been read; None if not held."""
+    is received (True) or the transfer failed (False); None refuses it. ``take_over`` does the
+    same for a hand-off (``header["op"] == "handoff"``: a stopping agent's save, to be written
+    here). ``lookup(spec, path)`` gives a file held in memory and what to call when it has been
+    read; None if not held."""
 
-    def __init__(self, secret: bytes, host: str,
-                 accept: Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None],
-                 lookup: Lookup | None = None) -> None:
+    def __init__(self, secret: bytes, host: str, accept: Accept,
+                 lookup: Lookup | None = None, take_over: Accept | None = None) -> None:
         self.secret, self._accept, self._lookup = secret, accept, lookup
+        self._take_over = take_over
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -122,7 +132,10 @@ class PeerServer:
                     self._reads(conn, header)
                     return
                 total = sum(int(n) for n in header["files"].values())
-                accepted = self._accept(header, total)
+                if header.get("op") == "handoff":
+                    accepted = self._take_over(header, total) if self._take_over else None
+                else:
+                    accepted = self._accept(header, total)
                 wire.send(conn, {"ok": accepted is not None})
                 if accepted is None:
                     return
@@ -223,11 +236,14 @@ class Replicator:
     background; a newer step of the same rank replaces one still waiting."""
 
     def __init__(self, node: str, secret: bytes, address: tuple[str, int], k: int,
-                 rate: float | None) -> None:
+                 rate: float | None, stopping: threading.Event | None = None) -> None:
         self.node, self.secret, self.address, self.k, self.rate = node, secret, address, k, rate
+        self.stopping = stopping or threading.Event()  # then no more waiting for new peers
         self._queue: queue.Queue[Outgoing] = queue.Queue()
         self._registered: set[str] = set()
         self.sent = 0  # bytes, for tests and the log
+        self._pending = 0  # copies submitted and not yet sent or given up
+        self._idle = threading.Condition()
         threading.Thread(target=self._run, name="ckptd-replicate", daemon=True).start()
 
     def register(self, storage: Storage) -> None:
@@ -240,7 +256,18 @@ class Replicator:
         self._registered.add(storage.url)
 
     def submit(self, item: Outgoing) -> None:
+        with self._idle:
+            self._pending += 1
         self._queue.put(item)
+
+    def wait_sent(self, timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``) until every submitted copy is sent or given up; the
+        copies still pending."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending and time.monotonic() < deadline:
+                self._idle.wait(deadline - time.monotonic())
+            return self._pending
 
     def peers(self, storage: Storage) -> list[dict[str, Any]]:
         nodes = []
@@ -270,11 +297,14 @@ class Replicator:
                             item.step, e)
             finally:
                 item.done()
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
 
     def _replicate(self, item: Outgoing) -> int:
         """Send ``item`` to the next ``k`` nodes of the ring that take it. Nodes that announce
         themselves later (a job's agents start one by one) are waited for, with a growing
-        pause, for up to ``RETRY_S`` — or until a newer step is queued."""
+        pause, for up to ``RETRY_S`` — or until a newer step is queued or the agent stops."""
         copies, tried = 0, set()
         deadline, pause = time.monotonic() + RETRY_S, 0.2
         while True:
@@ -289,38 +319,69 @@ class Replicator:
                 except (OSError, ValueError, KeyError) as e:
                     log.warning("ckptd agent: no copy of rank %d step %d on node %s: %s",
                                 item.rank, item.step, peer.get("node"), e)
-            if copies >= self.k or time.monotonic() > deadline or not self._queue.empty():
+            if (copies >= self.k or time.monotonic() > deadline or not self._queue.empty()
+                    or self.stopping.is_set()):
                 return copies
-            time.sleep(pause)  # until another node announces itself
+            self.stopping.wait(pause)  # until another node announces itself
             pause = min(2 * pause, 5.0)
 
     def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
         """One copy to ``peer``: True if it holds it now, False if it had no room."""
+        header = {"spec": item.spec, "origin": self.node, "rank": item.rank, "step": item.step,
+                  "files": {p: len(m) for p, m in item.files.items()}}
+        if not self._transfer(peer, header, list(item.files.values()), self.rate):
+            log.warning("ckptd agent: node %s has no room for rank %d step %d: skipped",
+                        peer["node"], item.rank, item.step)
+            return False
+        log.info("ckptd agent: rank %d step %d copied to node %s", item.rank, item.step,
+                 peer["node"])
+        return True
+
+    def hand_off(self, storage: Storage, spec: dict[str, Any], job: dict[str, Any],
+                 staged: memoryview, rank: int, step: int) -> str | None:
+        """Give a save this (stopping) agent cannot write in time to the first agent of the
+        ring that takes it: the job (JSON) and its staged bytes, which the receiver writes and
+        commits like its own. The node that holds it now, or None (none would: write it here).
+        Not rate-limited: it races the grace window."""
+        header = {"op": "handoff", "spec": spec, "origin": self.node, "rank": rank,
+                  "step": step, "job": job, "files": {"arena": len(staged)}}
+        for peer in self.peers(storage):
+            try:
+                if self._transfer(peer, header, [staged], None):
+                    log.warning("ckptd agent: rank %d step %d handed to node %s (%d bytes): "
+                                "it writes and commits it", rank, step, peer["node"],
+                                len(staged))
+                    return str(peer["node"])
+                log.warning("ckptd agent: node %s did not take rank %d step %d", peer["node"],
+                            rank, step)
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("ckptd agent: hand-off of rank %d step %d to node %s failed: %s",
+                            rank, step, peer.get("node"), e)
+        return None
+
+    def _transfer(self, peer: dict[str, Any], header: dict[str, Any],
+                  parts: list[memoryview], rate: float | None) -> bool:
+        """``header`` then ``parts`` to ``peer`` (at most ``rate`` bytes/s): True once it holds
+        them, False if it refused them (no room, or stopping)."""
         with socket.create_connection((peer["host"], int(peer["port"])), timeout=60) as s:
             _answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
-            wire.send(s, {"spec": item.spec, "origin": self.node, "rank": item.rank,
-                          "step": item.step,
-                          "files": {p: len(m) for p, m in item.files.items()}})
+            wire.send(s, header)
             if not wire.recv(s, 4096).get("ok"):
-                log.warning("ckptd agent: node %s has no room for rank %d step %d: skipped",
-                            peer["node"], item.rank, item.step)
                 return False
             t0 = time.monotonic()
             sent = 0
-            for mem in item.files.values():
+            for mem in parts:
                 for i in range(0, len(mem), 4 << 20):
                     part = mem[i: i + (4 << 20)]
                     s.sendall(part)
                     sent += len(part)
-                    if self.rate:  # pace to the rate limit
-                        ahead = sent / self.rate - (time.monotonic() - t0)
+                    if rate:  # pace to the rate limit
+                        ahead = sent / rate - (time.monotonic() - t0)
                         if ahead > 0:
                             time.sleep(ahead)
             if not wire.recv(s, 4096).get("ok"):
-                raise ConnectionError(f"node {peer['node']} did not store the copy")
+                raise ConnectionError(f"node {peer['node']} did not store it")
             self.sent += sent
-            log.info("ckptd agent: rank %d step %d copied to node %s (%d bytes)", item.rank,
-                     item.step, peer["node"], sent)
             return True
 
 

@@ -9,9 +9,12 @@ its own job thread (saves of one rank commit in order); a session's jobs run to 
 trainer dies. Clients of another user are refused by the kernel's peer credentials, whatever the
 socket's mode.
 
-SIGTERM or a ``stop`` request: stop accepting, finish every job, exit. With no client and no job
-for ``--idle-exit`` seconds the agent exits by itself (a job's agent does not outlive it for
-long).
+SIGTERM or a ``stop`` request: stop accepting new clients; serve the connected trainers until
+they close (their last save comes after the SIGTERM) or the grace window ends; finish every job —
+a save that cannot be written in the grace left is handed to a peer that is not stopping
+(:meth:`Agent.fits`, :meth:`Agent.hand_off`); wait for the newest step's peer copies inside the
+grace left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
+itself (a job's agent does not outlive it for long).
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptd.agent import wire
+from ckptd.agent import handoff, wire
 from ckptd.agent.memory import Kept, Memory, OverBudget
 from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
 from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
 from ckptd.storage import Storage, open_storage
+
+
+def grace_s() -> float:
+    """``$CKPTD_GRACE_S`` (default 30): the SIGTERM grace window."""
+    return float(os.environ.get("CKPTD_GRACE_S", "30"))
 
 log = logging.getLogger("ckptd.agent")
 
@@ -46,6 +54,7 @@ class Agent:
         self.replicator: Replicator | None = None
         self.paths = wire.paths(node, directory)
         self.stopping = threading.Event()
+        self.deadline: float | None = None  # monotonic end of the grace window, once stopping
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._sessions: set[Session] = set()
@@ -55,6 +64,9 @@ class Agent:
         self._storages: dict[str, Storage] = {}
         self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
         self._write_bps = 0.0  # measured: the newest job's files over their write time
+        # or, instead, what the launcher knows of its storage's bandwidth (a write to the page
+        # cache measures the cache, not the disk; the first save has nothing measured)
+        self._assumed_bps = float(os.environ.get("CKPTD_AGENT_WRITE_BPS", "0"))
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -77,7 +89,7 @@ class Agent:
         listener.listen(64)
         listener.settimeout(0.2)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
+            signal.signal(sig, lambda *_: self.stop())
         log.info("ckptd agent %d serving node %s at %s", os.getpid(), self.node,
                  self.paths["sock"])
         try:
@@ -88,6 +100,7 @@ class Agent:
                     self._maybe_idle_exit()
                     continue
                 self._open_session(conn)
+            log.info("ckptd agent: stopping; %.1f s of grace left", self.grace_left())
         finally:
             listener.close()
             unlink(self.paths["sock"])
@@ -99,25 +112,54 @@ class Agent:
         log.info("ckptd agent %d stopped", os.getpid())
         return 0
 
+    def stop(self) -> None:
+        """SIGTERM (async-signal-safe: no locks, no logging) or a ``stop`` request."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + grace_s()
+        self.stopping.set()
+
+    def grace_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a save of ``nbytes`` can be written here before the grace window ends (True
+        while not stopping, and when no bandwidth is measured or assumed)."""
+        bps = self._assumed_bps or self._write_bps
+        return not self.stopping.is_set() or not bps or nbytes / bps <= self.grace_left()
+
+    def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
+                 rank: int, step: int) -> str | None:
+        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`)."""
+        if self.replicator is None:
+            return None
+        return self.replicator.hand_off(self.storage(spec), spec, job, staged, rank, step)
+
     def _start_peers(self) -> None:
         secret = job_secret()
         if secret is None:
             log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
             return
         self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
-                                self._peer_accept, self._peer_lookup)
+                                self._peer_accept, self._peer_lookup, self._take_over)
         rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
         self.replicator = Replicator(self.node, secret, self.peers.address,
-                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate)
+                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
+                                     self.stopping)
         log.info("ckptd agent: peer copies on, listening at %s:%d", *self.peers.address)
+
+    def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
+        """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
+        try:
+            return self.memory.create(max(total, 1), f"{self.node}+{what}")
+        except (OverBudget, OSError) as e:
+            log.warning("ckptd agent: no room for node %s's rank %s step %s (%s): %s",
+                        header.get("origin"), header.get("rank"), header.get("step"), what, e)
+            return None
 
     def _peer_accept(self, header: dict[str, Any],
                      total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
-        try:
-            seg = self.memory.create(max(total, 1), f"{self.node}+peer")
-        except (OverBudget, OSError) as e:
-            log.warning("ckptd agent: no room for node %s's copy of rank %s step %s: %s",
-                        header.get("origin"), header.get("rank"), header.get("step"), e)
+        seg = self._room_for(header, total, "peer")
+        if seg is None:
             return None
 
         def finish(ok: bool) -> None:
@@ -127,6 +169,37 @@ class Agent:
                 self.memory.forget(seg)
 
         return seg.view()[:total], finish
+
+    def _take_over(self, header: dict[str, Any],
+                   total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
+        """A stopping peer's save, to write here: refused when this agent stops too."""
+        if self.stopping.is_set():
+            return None
+        seg = self._room_for(header, total, "handoff")
+        if seg is None:
+            return None
+        run = str(header["job"]["commit"]["run_id"])
+        self.job_started(run)  # a restart on this node waits for it (``drain``)
+
+        def finish(ok: bool) -> None:
+            if not ok:
+                self.memory.forget(seg)
+                self.job_ended(run)
+                return
+            threading.Thread(target=self._write_handed, args=(header, seg, run),
+                             name="ckptd-handoff", daemon=True).start()
+
+        return seg.view()[:total], finish
+
+    def _write_handed(self, header: dict[str, Any], seg: Segment, run: str) -> None:
+        try:
+            handoff.write(self.storage(header["spec"]), header, seg.tensor, self.node)
+        except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
+            log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
+                      header.get("origin"), header.get("rank"), header.get("step"), e)
+        finally:
+            self.memory.forget(seg)
+            self.job_ended(run)
 
     def _peer_lookup(self, spec: dict[str, Any],
                      path: str) -> tuple[memoryview, Callable[[], None]] | None:
@@ -158,8 +231,8 @@ class Agent:
             if write_s > 0:
                 self._write_bps = nbytes / write_s
             node = sum(n for (r, _), n in self._state.items() if r == root)
-            bps = self._write_bps
-        grace = float(os.environ.get("CKPTD_GRACE_S", "30"))
+            bps = self._assumed_bps or self._write_bps
+        grace = grace_s()
         need = node / bps if bps else 0.0
         if need <= grace or root in self._warned:
             return None
@@ -195,12 +268,21 @@ class Agent:
                 self._idle_since = time.monotonic()
             elif time.monotonic() - self._idle_since >= self.idle_exit_s:
                 log.info("ckptd agent: idle for %.0f s, exiting", self.idle_exit_s)
-                self.stopping.set()
+                self.stop()
 
     def _drain(self) -> None:
-        """Every accepted job finishes before the agent exits."""
+        """Before the agent exits: the connected trainers' last saves (they come after the
+        SIGTERM) until the trainers close or the grace window ends; every accepted job; the
+        newest steps' peer copies, inside the grace left."""
+        with self._idle:
+            while (self._sessions or self._busy) and self.grace_left() > 0:
+                self._idle.wait(min(1.0, self.grace_left()))
         while self.wait_idle(60.0):
             log.info("ckptd agent: waiting for %d job(s) before exiting", self._busy)
+        if self.replicator is not None:
+            left = self.replicator.wait_sent(max(0.0, min(self.grace_left(), grace_s())))
+            if left:
+                log.warning("ckptd agent: exiting with %d peer copies not sent", left)
 
     def _open_session(self, conn: socket.socket) -> None:
         uid, pid = wire.peer_uid_pid(conn)
@@ -254,6 +336,7 @@ class Agent:
         with self._lock:
             self._sessions.discard(session)
             self._idle_since = time.monotonic()
+            self._idle.notify_all()
 
 
 def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,

@@ -97,7 +97,7 @@ class Session:
             self.agent.session_ended(self)
 
     def _heartbeat(self) -> None:
-        while self._open and not self.agent.stopping.is_set():
+        while self._open:  # also while stopping: the trainer's last saves still come
             self.reply({"op": "alive"})
             time.sleep(wire.HEARTBEAT_S)
 
@@ -157,7 +157,8 @@ class Session:
                 self.reply({"op": "released", "segments": released})
             self.reply({"id": rid, "op": "committed"})
         elif op == "stop":
-            self.agent.stopping.set()
+            self.agent.stop()
+            self.agent.session_ended(self)  # the agent waits for trainers, not for who asked
             self.reply({"id": rid, "op": "stopping"})
         else:
             raise ValueError(f"unknown request {op!r}")
@@ -185,6 +186,15 @@ class Session:
             assert self._io is not None, "hello first"
             seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
+            if not self.agent.fits(job.round.nbytes):  # stopping, and too slow to write it
+                staged = seg.view()[:job.round.nbytes]
+                to = self.agent.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
+                                         job.share.step)
+                if to is not None:
+                    self.reply({"id": rid, "op": "done", "nbytes": job.round.nbytes,
+                                "write_s": 0.0, "handed_to": to, "kept": False,
+                                "released": []})
+                    return
             storage = self.agent.storage(msg["storage"])
             out = remote.run(storage, self._io, job, seg.tensor)
             out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,

@@ -163,7 +163,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- history
 HISTORY = ("step", "reason", "world", "micro", "accum", "ZeRO", "global batch", "deviation %",
-           "consumed", "epoch", "load s", "read from memory / peer / storage", "downtime s")
+           "consumed", "epoch", "load s", "read from memory / peer / storage", "downtime s",
+           "resumed step safe via")
 
 
 def history_rows(meta: TrainingMeta) -> list[list[str]]:
@@ -182,7 +183,8 @@ def history_rows(meta: TrainingMeta) -> list[list[str]]:
     return [[str(e.step), e.reason, str(e.world_size), str(e.micro_batch_size),
              str(e.gradient_accumulation_steps), str(e.zero_stage), str(e.global_batch_size),
              f"{e.deviation * 100:+.2f}", str(e.consumed_samples), epoch(e.consumed_samples),
-             opt(e.load_s), sources(e), opt(e.downtime_s)] for e in meta.history]
+             opt(e.load_s), sources(e), opt(e.downtime_s), e.safe_via or "—"]
+            for e in meta.history]
 
 
 def step_rows(storage: Storage) -> list[dict[str, Any]]:

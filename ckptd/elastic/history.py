@@ -109,6 +109,10 @@ class HistoryEntry:
     bytes_from_peer: int | None = None
     bytes_from_storage: int | None = None
     downtime_s: float | None = None  # previous incarnation's SIGTERM -> first step here
+    # how the step resumed from was made safe when the previous incarnation was preempted:
+    # "storage" (written inside the grace window), "peer <nodes>" (some ranks' shares were
+    # handed to those nodes' agents, which wrote them; docs/agent.md); None: not a preemption
+    safe_via: str | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, *, step: int, time: float, reason: str,
@@ -278,3 +282,7 @@ class PreemptionOutcome:
     grace_left_s: float | None  # grace left when the decision was taken
     signal_to_committed_s: float | None  # SIGTERM -> committed (None if nothing committed)
     nbytes: int  # bytes this rank wrote in the preemption save
+    # how the preemption save was made safe: "storage" (committed inside the grace window) or
+    # "peer <node>" (this node's agent could not write it in time and handed it to that node's
+    # agent, which commits it after this process exits: ``saved`` is False); None: no save
+    safe_via: str | None = None

@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ckptd import checkpointer
+from ckptd.agent import handoff
 from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
 from ckptd.data.sampler import Order
@@ -61,14 +62,17 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def _all_committed(committed: bool, projected_s: float) -> tuple[bool, float]:
-    """(every rank has the step committed, the slowest rank's projection)."""
+def _all_committed(committed: bool, projected_s: float,
+                   hands_off: bool) -> tuple[bool, float, float]:
+    """(every rank has the step committed, the slowest rank's projection, the slowest
+    projection among the ranks whose node agent cannot hand a late save to a peer)."""
     dist = dist_or_none()
-    if dist is None or dist.get_world_size() == 1:
-        return committed, projected_s
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (committed, projected_s))
-    return all(c for c, _ in out), max(p for _, p in out)
+    out: list[Any] = [(committed, projected_s, hands_off)]
+    if dist is not None and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, (committed, projected_s, hands_off))
+    return (all(c for c, _, _ in out), max(p for _, p, _ in out),
+            max((p for _, p, h in out if not h), default=-math.inf))
 
 
 class ElasticRun:
@@ -241,12 +245,14 @@ class ElasticRun:
                           since_signal_s=self._since_signal())
 
         def outcome(saved: bool, reason: str, *, save_s: float = 0.0,
-                    projected_s: float | None = None, nbytes: int = 0) -> PreemptionOutcome:
+                    projected_s: float | None = None, nbytes: int = 0,
+                    safe_via: str | None = None) -> PreemptionOutcome:
             out = PreemptionOutcome(
                 step=self.step, saved=saved, reason=reason,
                 exit_code=0 if signalled else EXIT_RESTART, signalled=signalled,
                 drain_s=drain_s, save_s=save_s, projected_s=projected_s, grace_left_s=left,
-                signal_to_committed_s=self._since_signal() if saved else None, nbytes=nbytes)
+                signal_to_committed_s=self._since_signal() if saved else None, nbytes=nbytes,
+                safe_via=safe_via)
             self._events.emit("preempt", **dataclasses.asdict(out), grace_s=self._watch.grace_s)
             return out
 
@@ -258,11 +264,12 @@ class ElasticRun:
             for p in describe(state, self.ckpt.rank, self.ckpt.world_size).pieces if p.is_writer)
         bandwidth = self._bandwidth or self.meta.policy.assumed_write_bytes_per_s
         projection = nbytes / bandwidth if drained else math.inf
-        all_committed, projected = _all_committed(committed, projection)
+        all_committed, projected, blocking = _all_committed(committed, projection,
+                                                            drained and self.ckpt.hands_off)
         left = preemption.remaining_grace_s()
         if all_committed:
             return outcome(True, "already committed")
-        if left is not None and projected > left:
+        if left is not None and blocking > left:  # a rank can neither write it nor hand it off
             what = (f"projected {projected:.1f}s ({nbytes} bytes at {bandwidth / 1e6:.0f} MB/s)"
                     if math.isfinite(projected) else "an in-flight save still writing")
             reason = (f"skipped: {what} exceeds the {left:.1f}s of grace left; step "
@@ -271,15 +278,27 @@ class ElasticRun:
             return outcome(False, reason, projected_s=projected)
         t1 = time.monotonic()
         try:
-            result = self.ckpt.save(state, step=self.step, urgent=True,
-                                    training=self.metadata(preempted_at=self._signal_wall_time()))
+            h = self.ckpt.save_async(state, step=self.step, urgent=True,
+                                     training=self.metadata(preempted_at=self._signal_wall_time()))
+            self._issued_step = self.step
+            # this process may be killed once its share is safe: committed, or held by a
+            # peer's agent that writes it (its own agent could not in the grace left)
+            if signalled and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
+                via = f"peer {h.handed_to}"
+                log.warning("ckptd: preemption save of step %d handed to node %s's agent, "
+                            "which commits it", self.step, h.handed_to)
+                return outcome(False, f"handed to node {h.handed_to}'s agent, which commits "
+                               "it after this process exits", save_s=time.monotonic() - t1,
+                               projected_s=projected, safe_via=via)
+            result = h.result()
         except Exception as e:  # noqa: BLE001 - reported in the outcome and the log
             log.error("ckptd: preemption save of step %d failed: %s", self.step, e)
             return outcome(False, f"failed: {e}", save_s=time.monotonic() - t1,
                            projected_s=projected)
-        self._committed_step = self._issued_step = self.step
+        self._committed_step = self.step
         return outcome(True, "committed", save_s=time.monotonic() - t1, projected_s=projected,
-                       nbytes=result.nbytes)
+                       nbytes=result.nbytes,
+                       safe_via=f"peer {result.handed_to}" if result.handed_to else "storage")
 
     # ------------------------------------------------------------------ internals
     def _on_sigterm(self) -> None:
@@ -378,13 +397,16 @@ def resume(
     rank = ckpt.rank if dp_rank is None else dp_rank
     emitter = EventLog(events, ckpt.rank)
 
-    def latest() -> tuple[float, int | None, dict[str, Any]]:
+    def latest() -> tuple[float, int | None, dict[str, Any], list[str]]:
         step = ckpt.latest_step()
         training = {} if step is None else dict(ckpt.read_manifest(step).training)
-        return time.time(), step, training
+        # the nodes whose agents wrote shares of it that another node's agent handed over
+        writers = [] if step is None else sorted(
+            {str(r.get("to")) for r in handoff.read_records(ckpt.storage, step)})
+        return time.time(), step, training, writers
 
     # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
-    now, step, training = _from_rank0(latest() if ckpt.rank == 0 else None)
+    now, step, training, writers = _from_rank0(latest() if ckpt.rank == 0 else None)
     if step is None:
         spec = reference if world == reference.world_size else _replan(
             model, reference, world, policy)
@@ -409,6 +431,9 @@ def resume(
                   else "scale-up" if world > prev.spec.world_size else "scale-down")
         entry = HistoryEntry.of(spec, step=step, time=now, reason=reason,
                                 reference=prev.reference, consumed_samples=prev.consumed_samples)
+        if writers or prev.preempted_at is not None:
+            entry = dataclasses.replace(entry, safe_via=f"peer {', '.join(writers)}" if writers
+                                        else "storage")
         meta = dataclasses.replace(prev, spec=spec, model=model, policy=policy,
                                    history=prev.history + (entry,))
         resumed = True

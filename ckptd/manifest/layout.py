@@ -9,6 +9,8 @@
     ROOT/step-000000042/ranks/<attempt>/00003.json      rank 3's partial manifest
     ROOT/step-000000042/ranks/<attempt>/FAILED          the coordinator gave up (reason inside)
     ROOT/step-000000042/ranks/<attempt>/00003.failed    rank 3 could not do its share (why)
+    ROOT/step-000000042/ranks/<attempt>/00003.handoff   rank 3's share was written by a peer's
+                                                        node agent after a SIGTERM (who, when)
     ROOT/step-000000042/data/<attempt>/r00003-0.bin     rank 3's first data file
     ROOT/step-000000042/data/<attempt>/r00003.frames    rank 3's frame table (format 3)
 
@@ -71,6 +73,14 @@ def is_rank_failure(name: str) -> bool:
 
 def parse_rank_failure(name: str) -> int:
     return int(name[:-7])
+
+
+def handoff_path(step: int, attempt: str, rank: int) -> str:
+    return f"{partials_dir(step, attempt)}/{rank:05d}.handoff"
+
+
+def is_handoff(name: str) -> bool:
+    return name.endswith(".handoff") and name[:-8].isdigit()
 
 
 def data_file(attempt: str, rank: int, index: int) -> str:

@@ -24,6 +24,9 @@ class SaveResult:
     nbytes: int  # bytes this rank wrote (stored size)
     stall_s: float  # time the caller was blocked (until staged)
     write_s: float  # staged -> committed
+    # the node whose agent wrote this rank's share: this node's agent was stopping (SIGTERM) and
+    # could not write it inside the grace window (docs/agent.md); None: written here
+    handed_to: str | None = None
 
 
 class SaveHandle:
@@ -37,6 +40,8 @@ class SaveHandle:
         self.stall_s = 0.0
         self._staged: Future[None] = Future()
         self._committed: Future[SaveResult] = Future()
+        self.handed_to: str | None = None  # see SaveResult.handed_to; known before the commit
+        self._safe = threading.Event()  # committed, failed, or handed to a peer's agent
         self._reported = False
         self._lock = threading.Lock()
         self.on_wait_staged: list[object] = []
@@ -56,6 +61,12 @@ class SaveHandle:
                 return
             self.phase = Phase.COMMITTED
             self._committed.set_result(result)
+            self._safe.set()
+
+    def mark_handed(self, node: str) -> None:
+        """A peer's agent holds this rank's share and writes it: safe before it is committed."""
+        self.handed_to = node
+        self._safe.set()
 
     def mark_failed(self, error: BaseException, *, reported: bool = False) -> None:
         """``reported``: the error is being raised to the caller already (not again later)."""
@@ -67,6 +78,7 @@ class SaveHandle:
             if not self._staged.done():
                 self._staged.set_exception(error)
             self._committed.set_exception(error)
+            self._safe.set()
 
     def take_error(self) -> BaseException | None:
         """The background error, once: the first caller to take it raises it."""
@@ -91,6 +103,12 @@ class SaveHandle:
         self._staged.result(timeout)
         for check in self.on_wait_staged:
             check()  # type: ignore[operator]
+
+    def wait_safe(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed, failed, or held by a peer's agent that writes it
+        (:attr:`handed_to`); False on timeout. The preemption path waits for this rather than
+        the commit: the process may be killed once its share is safe."""
+        return self._safe.wait(timeout)
 
     def result(self, timeout: float | None = None) -> SaveResult:
         try:

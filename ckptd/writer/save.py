@@ -264,6 +264,13 @@ class Saver:
                                                    stage_first=False, codec=job.codec)
         return True
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether a save this rank's node cannot write inside a SIGTERM's grace window may go
+        to a peer's agent (the node agent runs with peers)."""
+        return (self.offload is not None and self._local_pool is None and self.offload.alive
+                and self.offload.peers)
+
     def _agent_lost(self, error: BaseException) -> None:
         """Every later save runs in process (its own staging memory)."""
         if self._local_pool is None:
@@ -288,7 +295,9 @@ class Saver:
                 job.futures = self._writer.start_files(share, job.arena, job.rounds[0], 0,
                                                        stage_first=False, codec=job.codec)
             return None
-        if self.auto is not None:
+        if reply.get("handed_to"):  # the agent was stopping: a peer's agent writes it
+            job.handle.mark_handed(str(reply["handed_to"]))
+        elif self.auto is not None:
             self.auto.observe_write(int(reply["nbytes"]), float(reply["write_s"]), job.codec)
         job.kept = bool(reply.get("kept"))
         if reply.get("warning"):
@@ -349,7 +358,9 @@ class Saver:
             if job.ticket is None or job.futures is not None:
                 self._writer.write_partial(share, job.chunks)
             partial_written = True
-            if opts.rank == 0 and on_agent is not None:
+            if h.handed_to is not None:  # the peer's agent commits (on rank 0) or writes it
+                commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
+            elif opts.rank == 0 and on_agent is not None:
                 self.signals.publish_committed(share.attempt)  # the agent committed
             elif opts.rank == 0:
                 commit.coordinate(self.storage, share.step, share.attempt, opts.world_size,
@@ -362,7 +373,7 @@ class Saver:
             nbytes = (on_agent if on_agent is not None else stored_bytes(job.chunks)
                       if job.chunks else sum(r.nbytes for r in job.rounds))
             result = SaveResult(share.step, h.url, nbytes, h.stall_s,
-                                time.perf_counter() - t_staged)
+                                time.perf_counter() - t_staged, h.handed_to)
             self._record(result)
             h.mark_committed(result)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
