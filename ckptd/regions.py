@@ -34,6 +34,16 @@ class Box:
             self.offsets, self.sizes, strict=True)))
 
     @staticmethod
+    def _of(offsets: tuple[int, ...], sizes: tuple[int, ...], ends: tuple[int, ...]) -> Box:
+        """A box computed from valid boxes (an intersection, a shift): no checks. A reshard
+        to a thousand ranks makes hundreds of thousands of them."""
+        box = object.__new__(Box)
+        object.__setattr__(box, "offsets", offsets)
+        object.__setattr__(box, "sizes", sizes)
+        object.__setattr__(box, "ends", ends)
+        return box
+
+    @staticmethod
     def whole(shape: tuple[int, ...]) -> Box:
         return Box((0,) * len(shape), tuple(shape))
 
@@ -49,14 +59,15 @@ class Box:
         """The common box, or None when they do not overlap (or the overlap is empty)."""
         if other.ndim != self.ndim:
             raise ValueError(f"intersecting boxes of rank {self.ndim} and {other.ndim}")
-        lo, sizes = [], []
+        lo, hi = [], []
         for a, ae, b, be in zip(self.offsets, self.ends, other.offsets, other.ends, strict=True):
             low, high = max(a, b), min(ae, be)
             if high <= low:
                 return None
             lo.append(low)
-            sizes.append(high - low)
-        return Box(tuple(lo), tuple(sizes))
+            hi.append(high)
+        return Box._of(tuple(lo), tuple(h - low for low, h in zip(lo, hi, strict=True)),
+                       tuple(hi))
 
     def hull(self, other: Box) -> Box:
         """The smallest box containing both."""
@@ -91,19 +102,25 @@ class Box:
             if lo > offsets[d]:
                 s = sizes.copy()
                 s[d] = lo - offsets[d]
-                out.append(Box(tuple(offsets), tuple(s)))
+                out.append(Box._of(tuple(offsets), tuple(s),
+                                   tuple(o + n for o, n in zip(offsets, s, strict=True))))
             end = offsets[d] + sizes[d]
             if hi < end:
                 o = offsets.copy()
                 o[d] = hi
                 s = sizes.copy()
                 s[d] = end - hi
-                out.append(Box(tuple(o), tuple(s)))
+                out.append(Box._of(tuple(o), tuple(s),
+                                   tuple(a + n for a, n in zip(o, s, strict=True))))
             offsets[d], sizes[d] = lo, hi - lo
         return out
 
     def shift(self, by: tuple[int, ...]) -> Box:
-        return Box(tuple(o + b for o, b in zip(self.offsets, by, strict=True)), self.sizes)
+        """This box moved by ``by`` (non-negative offsets stay non-negative only if ``by`` is)."""
+        if min(by, default=0) < 0:
+            return Box(tuple(o + b for o, b in zip(self.offsets, by, strict=True)), self.sizes)
+        return Box._of(tuple(o + b for o, b in zip(self.offsets, by, strict=True)), self.sizes,
+                       tuple(e + b for e, b in zip(self.ends, by, strict=True)))
 
     def to_json(self) -> list[list[int]]:
         return [list(self.offsets), list(self.sizes)]

@@ -537,3 +537,39 @@ class TestS3:
     def test_transfer_settings_are_validated(self) -> None:
         with pytest.raises(ValueError, match="must be positive"):
             S3Transfer(part_bytes=0)
+
+
+def test_deferred_durability_flushes_once_on_leaving_and_not_after_an_error(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ckptd.storage import local
+    from ckptd.storage.local import LocalStorage
+
+    calls = {"fsync": 0, "sync": 0}
+    real_fsync, real_sync = os.fsync, local._sync_filesystem
+
+    def fsync(fd: int) -> None:
+        calls["fsync"] += 1
+        real_fsync(fd)
+
+    def sync(root: str) -> None:
+        calls["sync"] += 1
+        real_sync(root)  # the real syncfs: it must succeed on a local root
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    monkeypatch.setattr(local, "_sync_filesystem", sync)
+    s = LocalStorage(str(tmp_path), direct=False)
+    with s.deferred_durability():
+        for i in range(5):
+            s.write_file(f"d/{i}.bin", [b"x" * 100])
+            s.put_atomic(f"d/{i}.json", b"{}")
+        assert calls == {"fsync": 0, "sync": 0}
+    assert calls == {"fsync": 0, "sync": 1}
+    s.put_atomic("after.json", b"{}")  # durable on its own again: the file and its directory
+    assert calls == {"fsync": 2, "sync": 1}
+    with pytest.raises(RuntimeError), s.deferred_durability():
+        s.write_file("e.bin", [b"y"])
+        raise RuntimeError("a writer failed")
+    assert calls["sync"] == 1  # nothing is made durable for a write that will not be used
+    assert s.read_bytes("d/4.bin") == b"x" * 100 and s.read_bytes("e.bin") == b"y"

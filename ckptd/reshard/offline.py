@@ -9,6 +9,9 @@ ranks is written by each of them when it is small (``replicate_small_bytes``: no
 the extra copies stay within ``replicate_max_share`` (1 %) of the checkpoint's bytes; otherwise
 once, by the least-loaded holder. Bytes written are at most 1.01 x the checkpoint's.
 
+Durability: the target ranks' files and partials are written without an fsync each and flushed
+together before the commit (``Storage.deferred_durability``: one ``syncfs`` on a local root).
+
 Work and memory: target ranks are processed by ``workers`` threads; each fills an arena of at
 most ``budget / (2 * workers)`` bytes (a rank with more data takes several rounds, one file
 each) by reading the source through the load planner (coalesced ranges, parallel reads, frames
@@ -22,6 +25,7 @@ metadata (re-planned for the new world, :mod:`ckptd.elastic.reshard`), and write
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -41,6 +45,7 @@ from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
+from ckptd.storage.base import extended
 from ckptd.writer import commit
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds
 from ckptd.writer.staging import StagingPool
@@ -148,6 +153,13 @@ class Resharder:
     source_bytes_read: int = 0  # by run(): bytes fetched from the source's storage
 
     def __post_init__(self) -> None:
+        # every target rank plans reads of the same source chunks: their frame tables are read
+        # and checked once here, not once per target rank
+        m = self.manifest
+        loaded = iter(m.with_frames([(n, c) for n, e in m.tensors.items() for c in e.chunks]))
+        self.manifest = dataclasses.replace(m, tensors={
+            n: TensorEntry(e.dtype, e.shape, tuple(next(loaded) for _ in e.chunks))
+            for n, e in m.tensors.items()})
         self.plans = split_writers(self.assignment, self.replicate_small)
         self.workers = max(1, min(self.threads, len(self.plans)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
@@ -198,7 +210,10 @@ class Resharder:
                           {c.file for e in self.manifest.tensors.values() for c in e.chunks},
                           cache_bytes=min(self.budget // 4, 256 << 20),
                           block_bytes=config.get().min_frame_bytes)
-        with files, ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
+        # nothing is visible before the commit: the files and partials of every target rank are
+        # made durable together, before it (one filesystem sync, not three fsyncs per rank)
+        with extended(dest).deferred_durability(), files, \
+                ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
                 ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
             local = threading.local()
 

@@ -226,8 +226,12 @@ class ChunkIndex:
             return []
         if self.lo is None or self.hi is None:
             qlo, qhi = box.offsets, box.ends
+            if not qlo:
+                return list(self.order)
+            lo0, hi0 = qlo[0], qhi[0]  # most chunks miss in the first dimension (dim-0 shards)
             return [ci for ci, b in zip(self.order, self.boxes, strict=True)
-                    if all(max(a, c) < min(e, f) for a, e, c, f in zip(
+                    if b.offsets[0] < hi0 and lo0 < b.ends[0]
+                    and all(max(a, c) < min(e, f) for a, e, c, f in zip(
                         b.offsets, b.ends, qlo, qhi, strict=True))]
         hit = ((self.lo < np.array(box.ends)) & (self.hi > np.array(box.offsets))
                & (self.hi > self.lo)).all(axis=1)

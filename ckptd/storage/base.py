@@ -22,6 +22,7 @@ object that has only the eight methods is given the defaults by :func:`extended`
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -254,6 +255,13 @@ class StorageBase(ABC):
         waits on this storage; by default the filesystem bounds ``config.poll_min_s/max_s``."""
         cfg = config.get()
         return cfg.poll_min_s, cfg.poll_max_s
+
+    def deferred_durability(self) -> contextlib.AbstractContextManager[None]:
+        """Inside it, writes may skip their own flush to stable storage; leaving it without an
+        error makes every one of them durable at once. For a writer that makes nothing visible
+        before the end (``ckptd reshard``: a thousand target ranks, three fsyncs each). By
+        default nothing changes: every write is durable when it returns."""
+        return contextlib.nullcontext()
 
     def incomplete_uploads(self, prefix: str = "") -> list[tuple[str, float]]:
         """``(path, age_s)`` of writes under ``prefix`` that never became visible; none where
