@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ckptd import config
+from ckptd.agent.session import background
 from ckptd.manifest import layout
 from ckptd.storage import Storage
 from ckptd.writer import remote
@@ -39,7 +40,9 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     except OSError as e:  # the step can still be written; only the record of how is missing
         log.warning("ckptd agent: no hand-off record for rank %d step %d: %s", share.rank,
                     share.step, e)
-    with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io") as io:
+    background()  # like this node's own saves: its training answers first
+    with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io",
+                            initializer=background) as io:
         out = remote.run(storage, io, job, staged)
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
                 header["origin"], share.rank, share.step, out["nbytes"],
