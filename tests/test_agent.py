@@ -335,12 +335,17 @@ def test_the_agent_s_writers_yield_to_its_session_threads(tmp_path, agents):
 
 
 # ----------------------------------------------------------------------------- the memory tier
-def _save_on_node(root: str, rank: int, node: str, conn) -> None:
+def _save_on_node(root: str, rank: int, node: str, conn, stay: bool = False) -> None:
+    """Step 1; ``stay``: then keep the Checkpointer (and its agent session) open until told."""
     torch.set_num_threads(1)
     os.environ["CKPTD_NODE_ID"] = node
     with ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True) as c:
         c.save(_state(1, rank), step=1)
-    conn.send("saved")
+        if stay:
+            conn.send("saved")
+            conn.recv()
+    if not stay:
+        conn.send("saved")
 
 
 def _load_step_1(root: str, rank: int, world: int) -> tuple[bool, int, int, int]:
@@ -610,11 +615,27 @@ def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, mon
     try:
         _wait(lambda: os.path.exists(wire.paths(b, agents.dir)["sock"]), 60, "node b's agent")
         root = str(tmp_path / "root")
-        _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)  # 1 MiB a rank
-        _wait(lambda: _holds(root, a, 1), 60, "node b's part on node a")
-        log_b = open(wire.paths(b, agents.dir)["log"]).read
-        _wait(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
-        assert not _holds(root, b, 0)
+        # the trainers stay: a gone trainer's kept step is dropped to make room, and the
+        # copy would then fit (whether it does would depend on which comes first)
+        ctx = mp.get_context("fork")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        procs = [ctx.Process(target=_save_on_node, args=(root, r, (a, b)[r], pipes[r][1], True))
+                 for r in range(2)]  # 1 MiB a rank
+        for p in procs:
+            p.start()
+        try:
+            for parent, _ in pipes:
+                assert parent.poll(120) and parent.recv() == "saved"
+            _wait(lambda: _holds(root, a, 1), 60, "node b's part on node a")
+            log_b = open(wire.paths(b, agents.dir)["log"]).read
+            _wait(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
+            assert not _holds(root, b, 0)
+        finally:
+            for parent, _ in pipes:
+                parent.send("go")
+            for p in procs:
+                p.join(60)
+                assert p.exitcode == 0
     finally:
         small.terminate()
         small.wait(timeout=30)

@@ -36,12 +36,12 @@ from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
 from ckptd.storage import Storage, open_storage
 
+log = logging.getLogger("ckptd.agent")
+
 
 def grace_s() -> float:
     """``$CKPTD_GRACE_S`` (default 30): the SIGTERM grace window."""
     return float(os.environ.get("CKPTD_GRACE_S", "30"))
-
-log = logging.getLogger("ckptd.agent")
 
 
 class Agent:
@@ -175,10 +175,10 @@ class Agent:
         """A stopping peer's save, to write here: refused when this agent stops too."""
         if self.stopping.is_set():
             return None
+        run = str(header["job"]["commit"]["run_id"])  # a malformed header fails before memory
         seg = self._room_for(header, total, "handoff")
         if seg is None:
             return None
-        run = str(header["job"]["commit"]["run_id"])
         self.job_started(run)  # a restart on this node waits for it (``drain``)
 
         def finish(ok: bool) -> None:

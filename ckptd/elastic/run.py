@@ -280,11 +280,11 @@ class ElasticRun:
         try:
             h = self.ckpt.save_async(state, step=self.step, urgent=True,
                                      training=self.metadata(preempted_at=self._signal_wall_time()))
-            self._issued_step = self.step
             # this process may be killed once its share is safe: committed, or held by a
             # peer's agent that writes it (its own agent could not in the grace left)
             if signalled and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
                 via = f"peer {h.handed_to}"
+                self._issued_step = self.step
                 log.warning("ckptd: preemption save of step %d handed to node %s's agent, "
                             "which commits it", self.step, h.handed_to)
                 return outcome(False, f"handed to node {h.handed_to}'s agent, which commits "
@@ -295,7 +295,7 @@ class ElasticRun:
             log.error("ckptd: preemption save of step %d failed: %s", self.step, e)
             return outcome(False, f"failed: {e}", save_s=time.monotonic() - t1,
                            projected_s=projected)
-        self._committed_step = self.step
+        self._committed_step = self._issued_step = self.step
         return outcome(True, "committed", save_s=time.monotonic() - t1, projected_s=projected,
                        nbytes=result.nbytes,
                        safe_via=f"peer {result.handed_to}" if result.handed_to else "storage")
