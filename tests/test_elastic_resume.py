@@ -271,6 +271,34 @@ def test_a_rank_that_was_not_signalled_exits_with_the_restart_code(
     assert (out.saved, out.signalled, out.exit_code) == (True, False, elastic.EXIT_RESTART)
 
 
+class SignallingStorage(LocalStorage):
+    """Once ``armed``, the first data-file write sends SIGTERM to this process: the signal
+    arrives while a save is being written."""
+
+    armed = False
+
+    def write_file(self, path: str, parts: Iterable[Any]) -> int:
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().write_file(path, parts)
+
+
+def test_a_sigterm_that_arrives_during_the_preemption_save_makes_the_rank_exit_0(
+        tmp_path: Path, checkpointers: list[ckptd.Checkpointer]) -> None:
+    # torchrun signals a node's workers one after another: this rank agreed to save before its
+    # own SIGTERM arrived (another rank's did); its node is going away all the same
+    storage = SignallingStorage(str(tmp_path / "ckpt"))
+    run = new_run(open_ckpt(tmp_path / "ckpt", checkpointers, storage=storage), 3, tmp_path)
+    buf, state = flat_state()
+    train(run, buf, 1)
+    storage.armed = True
+    out = run.save_on_preemption(state)
+    assert events(tmp_path, "preempting")[-1]["signalled"] is False
+    assert events(tmp_path, "sigterm")  # it arrived during the save
+    assert (out.saved, out.signalled, out.exit_code) == (True, True, 0)
+
+
 def test_the_next_incarnation_records_its_downtime_from_the_sigterm(
         tmp_path: Path, checkpointers: list[ckptd.Checkpointer]) -> None:
     ckpt = open_ckpt(tmp_path / "ckpt", checkpointers)

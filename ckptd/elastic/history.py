@@ -275,7 +275,7 @@ class PreemptionOutcome:
     saved: bool  # the state at ``step`` is committed (now or by an earlier save)
     reason: str
     exit_code: int
-    signalled: bool  # this rank received the SIGTERM itself
+    signalled: bool  # this rank received the SIGTERM itself (before it returned)
     drain_s: float  # waiting for in-flight saves
     save_s: float  # the preemption save (0 when none was needed or it was skipped)
     projected_s: float | None  # the agreed projection of the save's duration

@@ -247,9 +247,12 @@ class ElasticRun:
         def outcome(saved: bool, reason: str, *, save_s: float = 0.0,
                     projected_s: float | None = None, nbytes: int = 0,
                     safe_via: str | None = None) -> PreemptionOutcome:
+            # torchrun signals a node's workers one after another: a SIGTERM that reached this
+            # rank after the ranks agreed still means its node is going away
+            got = signalled or self._watch.signal_time is not None
             out = PreemptionOutcome(
                 step=self.step, saved=saved, reason=reason,
-                exit_code=0 if signalled else EXIT_RESTART, signalled=signalled,
+                exit_code=0 if got else EXIT_RESTART, signalled=got,
                 drain_s=drain_s, save_s=save_s, projected_s=projected_s, grace_left_s=left,
                 signal_to_committed_s=self._since_signal() if saved else None, nbytes=nbytes,
                 safe_via=safe_via)
@@ -282,7 +285,8 @@ class ElasticRun:
                                      training=self.metadata(preempted_at=self._signal_wall_time()))
             # this process may be killed once its share is safe: committed, or held by a
             # peer's agent that writes it (its own agent could not in the grace left)
-            if signalled and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
+            mine = signalled or self._watch.signal_time is not None
+            if mine and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
                 via = f"peer {h.handed_to}"
                 self._issued_step = self.step
                 log.warning("ckptd: preemption save of step %d handed to node %s's agent, "
