@@ -127,19 +127,6 @@ def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str
     return {"load": took, "read": r.nbytes_read, "memory": r.nbytes_from_memory}
 
 
-def _empty_state(size: int, rank: int, world: int) -> common.State:
-    """``common.build_state``'s tensors, allocated and not filled (what a restart loads into)."""
-    shape = common.plan_shape(size, 8, max(world, 4))
-    state = common.State(shape, rank, world)
-    for group, dtype in common.GROUPS:
-        for fqn, gshape in shape.params():
-            rows = gshape[0] // world
-            state.leaves.append(common.Leaf(f"{group}/{fqn}",
-                                            torch.empty((rows, *gshape[1:]), dtype=dtype),
-                                            gshape, (rank * rows,) + (0,) * (len(gshape) - 1)))
-    return state
-
-
 def _first_step(root: str, size: int, agent: bool, t0: float) -> None:
     """One restarted rank (under torchrun): join, allocate, load, one compute step."""
     import json
@@ -149,7 +136,7 @@ def _first_step(root: str, size: int, agent: bool, t0: float) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    state = _empty_state(size, rank, world)
+    state = common.build_state(size, rank, world, fill=False)
     with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
         r = ckpt.load(state.ckptd_tree(), strict=False)
     common.Compute().step()
@@ -177,6 +164,13 @@ def _restart(root: str, size: int, world: int, agent: bool) -> dict[str, float]:
     if p.returncode or not lines:
         raise SystemExit(f"restart failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def _source(agent: bool) -> str:
+    """Where a restart reads from; for storage, the page cache is dropped first if possible."""
+    if agent:
+        return "memory (agent)"
+    return "storage, cold cache" if common.drop_caches() else "storage"
 
 
 def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
@@ -223,20 +217,13 @@ def main(argv: list[str] | None = None) -> None:
                                           size, args.saves, agent, timeout=1800)[0]
                         rows.append((busy, "agent" if agent else "in process", r, fl))
                     if busy == 0:
+                        saved = os.path.join(root, f"c{busy}")
                         for agent in (True, False):
-                            cold = agent or common.drop_caches()
-                            ld = multirank.run(_loads, args.world - 1,
-                                               os.path.join(root, f"c{busy}"), size, agent,
-                                               timeout=1800)
-                            loads.append(("memory (agent)" if agent else
-                                          "storage" + (", cold cache" if cold else ""), ld))
+                            loads.append((_source(agent), multirank.run(
+                                _loads, args.world - 1, saved, size, agent, timeout=1800)))
                         for agent in (True, False):
-                            cold = agent or common.drop_caches()
-                            restarts.append((
-                                "memory (agent)" if agent else
-                                "storage" + (", cold cache" if cold else ""),
-                                _restart(os.path.join(root, f"c{busy}"), size, args.world - 1,
-                                         agent)))
+                            restarts.append((_source(agent),
+                                             _restart(saved, size, args.world - 1, agent)))
                 finally:
                     stop.set()
                     for p in spinners:

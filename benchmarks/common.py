@@ -391,37 +391,41 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def build_state(total_bytes: int, rank: int = 0, world: int = 1, layers: int = 8) -> State:
+def build_state(total_bytes: int, rank: int = 0, world: int = 1, layers: int = 8,
+                fill: bool = True) -> State:
     """This rank's 1/world of a training state of ~``total_bytes`` (all ranks together).
 
     Values are realistic for compression: weights ~ N(0, 0.02) (bf16 and fp32 master), exp_avg ~
     N(0, 1e-3), exp_avg_sq = exp_avg²-like (positive, tiny), norms ~ 1; generated per tensor
-    from a seeded generator (each rank only makes its own share)."""
+    from a seeded generator (each rank only makes its own share). ``fill=False``: the same
+    tensors allocated and left empty (what a restart loads into)."""
     shape = plan_shape(total_bytes, layers, max(world, 4))
     state = State(shape, rank, world)
     for group, dtype in GROUPS:
         for fqn, gshape in shape.params():
             rows = gshape[0] // world
             local_shape = (rows, *gshape[1:])
-            g = torch.Generator().manual_seed(zlib.crc32(f"{group}/{fqn}/{rank}".encode()))
-            t = torch.randn(local_shape, generator=g, dtype=torch.float32)
-            if "norm" in fqn:
-                t.mul_(0.05).add_(1.0) if group in ("model", "optim/master") else t.mul_(1e-4)
-            elif group in ("model", "optim/master"):
-                t.mul_(0.02)
-            elif group == "optim/exp_avg":
-                t.mul_(1e-3)
-            if group == "optim/exp_avg_sq":
-                t.mul_(1e-3).square_()
-            state.leaves.append(
-                Leaf(
-                    f"{group}/{fqn}",
-                    t.to(dtype) if dtype != t.dtype else t,
-                    gshape,
-                    (rank * rows,) + (0,) * (len(gshape) - 1),
-                )
-            )
+            t = (_values(group, fqn, rank, local_shape, dtype) if fill
+                 else torch.empty(local_shape, dtype=dtype))
+            state.leaves.append(Leaf(f"{group}/{fqn}", t, gshape,
+                                     (rank * rows,) + (0,) * (len(gshape) - 1)))
     return state
+
+
+def _values(group: str, fqn: str, rank: int, shape: tuple[int, ...],
+            dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of :func:`build_state`, seeded by its name and rank."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{group}/{fqn}/{rank}".encode()))
+    t = torch.randn(shape, generator=g, dtype=torch.float32)
+    if "norm" in fqn:
+        t.mul_(0.05).add_(1.0) if group in ("model", "optim/master") else t.mul_(1e-4)
+    elif group in ("model", "optim/master"):
+        t.mul_(0.02)
+    elif group == "optim/exp_avg":
+        t.mul_(1e-3)
+    if group == "optim/exp_avg_sq":
+        t.mul_(1e-3).square_()
+    return t.to(dtype) if dtype != t.dtype else t
 
 
 # ----------------------------------------------------------------------------- compute loop

@@ -697,8 +697,9 @@ def test_a_remote_read_that_fails_is_read_from_storage_once_warned(tmp_path, cap
 # ----------------------------------------------------------------------------- SIGTERM hand-off
 def _handoff_records(root: str, step: int) -> list[dict]:
     from ckptd.agent import handoff
-    from ckptd.storage import open_storage
-    return handoff.read_records(open_storage(root), step)
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        attempt = c.read_manifest(step).attempt
+        return handoff.read_records(c.storage, step, attempt)
 
 
 def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer(

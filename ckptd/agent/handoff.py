@@ -3,9 +3,9 @@ as its own trainer's agent would have, and recorded beside its partial.
 
 The record (``ranks/<attempt>/<rank>.handoff``, JSON: the step, the rank, the node that staged
 it, the node that writes it, when it arrived; written before the files, so a commit is never
-seen without it) is how the restarted run
-learns that its step was safe through a peer rather than written inside the grace window
-(:func:`read_records`; the elastic history's ``safe_via``).
+seen without it) is how the restarted run learns that its step was safe through a peer rather
+than written inside the grace window (:func:`read_records`; the elastic history's
+``safe_via``).
 """
 
 from __future__ import annotations
@@ -50,19 +50,20 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     remote.apply_retention(storage, job)
 
 
-def read_records(storage: Storage, step: int) -> list[dict[str, Any]]:
-    """The hand-off records of a step's attempts (empty when every rank wrote its own)."""
+def read_records(storage: Storage, step: int, attempt: str) -> list[dict[str, Any]]:
+    """The hand-off records of the attempt that committed ``step`` (its manifest's
+    ``attempt``; an abandoned attempt's records say nothing about it); empty when every rank
+    wrote its own share."""
     out = []
-    for attempt in storage.list_dir(f"{layout.step_dir(step)}/ranks"):
-        d = layout.partials_dir(step, attempt)
-        for name in storage.list_dir(d):
-            if layout.is_handoff(name):
-                try:
-                    doc = json.loads(storage.read_bytes(f"{d}/{name}"))
-                except (OSError, ValueError):
-                    continue
-                if isinstance(doc, dict):
-                    out.append(doc)
+    d = layout.partials_dir(step, attempt)
+    for name in storage.list_dir(d):
+        if layout.is_handoff(name):
+            try:
+                doc = json.loads(storage.read_bytes(f"{d}/{name}"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict):
+                out.append(doc)
     return out
 
 

@@ -102,6 +102,7 @@ class Agent:
                 self._open_session(conn)
             log.info("ckptd agent: stopping; %.1f s of grace left", self.grace_left())
         finally:
+            self.stop()  # the grace window bounds the drain even when serving failed
             listener.close()
             unlink(self.paths["sock"])
             self._drain()
@@ -121,10 +122,15 @@ class Agent:
     def grace_left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
+    @property
+    def _bandwidth(self) -> float:
+        """Bytes/s this node writes: the launcher's figure if given, else the measured one."""
+        return self._assumed_bps or self._write_bps
+
     def fits(self, nbytes: int) -> bool:
         """Whether a save of ``nbytes`` can be written here before the grace window ends (True
         while not stopping, and when no bandwidth is measured or assumed)."""
-        bps = self._assumed_bps or self._write_bps
+        bps = self._bandwidth
         return not self.stopping.is_set() or not bps or nbytes / bps <= self.grace_left()
 
     def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
@@ -231,7 +237,7 @@ class Agent:
             if write_s > 0:
                 self._write_bps = nbytes / write_s
             node = sum(n for (r, _), n in self._state.items() if r == root)
-            bps = self._assumed_bps or self._write_bps
+            bps = self._bandwidth
         grace = grace_s()
         need = node / bps if bps else 0.0
         if need <= grace or root in self._warned:
@@ -280,7 +286,7 @@ class Agent:
         while self.wait_idle(60.0):
             log.info("ckptd agent: waiting for %d job(s) before exiting", self._busy)
         if self.replicator is not None:
-            left = self.replicator.wait_sent(max(0.0, min(self.grace_left(), grace_s())))
+            left = self.replicator.wait_sent(max(0.0, self.grace_left()))
             if left:
                 log.warning("ckptd agent: exiting with %d peer copies not sent", left)
 

@@ -240,16 +240,21 @@ class ElasticRun:
         outcome says what happened.
         """
         t0 = time.monotonic()
-        signalled = self._watch.signal_time is not None
+
+        def sigterm_here() -> bool:
+            """Whether this rank has its SIGTERM by now: torchrun signals a node's workers one
+            after another, so it may arrive after the ranks agreed to save; the node is going
+            away all the same."""
+            return self._watch.signal_time is not None
+
+        signalled = sigterm_here()
         self._events.emit("preempting", step=self.step, signalled=signalled,
                           since_signal_s=self._since_signal())
 
         def outcome(saved: bool, reason: str, *, save_s: float = 0.0,
                     projected_s: float | None = None, nbytes: int = 0,
                     safe_via: str | None = None) -> PreemptionOutcome:
-            # torchrun signals a node's workers one after another: a SIGTERM that reached this
-            # rank after the ranks agreed still means its node is going away
-            got = signalled or self._watch.signal_time is not None
+            got = sigterm_here()
             out = PreemptionOutcome(
                 step=self.step, saved=saved, reason=reason,
                 exit_code=0 if got else EXIT_RESTART, signalled=got,
@@ -285,8 +290,7 @@ class ElasticRun:
                                      training=self.metadata(preempted_at=self._signal_wall_time()))
             # this process may be killed once its share is safe: committed, or held by a
             # peer's agent that writes it (its own agent could not in the grace left)
-            mine = signalled or self._watch.signal_time is not None
-            if mine and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
+            if sigterm_here() and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
                 via = f"peer {h.handed_to}"
                 self._issued_step = self.step
                 log.warning("ckptd: preemption save of step %d handed to node %s's agent, "
@@ -403,11 +407,13 @@ def resume(
 
     def latest() -> tuple[float, int | None, dict[str, Any], list[str]]:
         step = ckpt.latest_step()
-        training = {} if step is None else dict(ckpt.read_manifest(step).training)
+        if step is None:
+            return time.time(), None, {}, []
+        m = ckpt.read_manifest(step)
         # the nodes whose agents wrote shares of it that another node's agent handed over
-        writers = [] if step is None else sorted(
-            {str(r.get("to")) for r in handoff.read_records(ckpt.storage, step)})
-        return time.time(), step, training, writers
+        writers = sorted({str(r.get("to"))
+                          for r in handoff.read_records(ckpt.storage, step, m.attempt)})
+        return time.time(), step, dict(m.training), writers
 
     # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
     now, step, training, writers = _from_rank0(latest() if ckpt.rank == 0 else None)
