@@ -22,8 +22,10 @@ class Box:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    # offsets + sizes, computed once: planners ask for it in every overlap test
+    # offsets + sizes and the element count, computed once: planners ask for them in every
+    # overlap test, reshard plans for every piece
     ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    numel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
@@ -32,6 +34,7 @@ class Box:
             raise ValueError(f"negative box: offsets {self.offsets}, sizes {self.sizes}")
         object.__setattr__(self, "ends", tuple(o + s for o, s in zip(
             self.offsets, self.sizes, strict=True)))
+        object.__setattr__(self, "numel", math.prod(self.sizes))
 
     @staticmethod
     def _of(offsets: tuple[int, ...], sizes: tuple[int, ...], ends: tuple[int, ...]) -> Box:
@@ -41,6 +44,7 @@ class Box:
         object.__setattr__(box, "offsets", offsets)
         object.__setattr__(box, "sizes", sizes)
         object.__setattr__(box, "ends", ends)
+        object.__setattr__(box, "numel", math.prod(sizes))
         return box
 
     @staticmethod
@@ -50,10 +54,6 @@ class Box:
     @property
     def ndim(self) -> int:
         return len(self.sizes)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
 
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None when they do not overlap (or the overlap is empty)."""
@@ -73,7 +73,7 @@ class Box:
         """The smallest box containing both."""
         lo = tuple(min(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
         hi = tuple(max(a, b) for a, b in zip(self.ends, other.ends, strict=True))
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+        return Box._of(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)), hi)
 
     def contains(self, other: Box) -> bool:
         return all(

@@ -14,7 +14,10 @@ import torch
 import ckptd
 from ckptd.cli import main
 from ckptd.manifest import catalog
+from ckptd.regions import Box
+from ckptd.reshard import waves
 from ckptd.reshard.infer import infer_layout
+from ckptd.reshard.targets import Target
 from ckptd.storage import LocalStorage
 
 W, H, LAYERS, VOCAB = 4, 64, 2, 200
@@ -125,3 +128,35 @@ def test_a_layout_that_replicates_writes_each_byte_about_once(tmp_path, capsys, 
     want = _state(full, 1, 2)
     for n in full:
         assert torch.equal(dst["model"][n].local, want["model"][n].local), n
+
+
+def test_target_ranks_are_grouped_in_waves_of_consecutive_ranks_under_the_bound() -> None:
+    # a rank above rank_max is alone (read straight into its arena); the others fill waves
+    assert waves.group([10, 10, 100, 10, 10, 10], rank_max=50, wave_max=25) == [
+        [0, 1], [2], [3, 4], [5]]
+    assert waves.group([], rank_max=1, wave_max=1) == []
+
+
+def test_a_wave_reads_the_hull_of_adjacent_slices_and_the_boxes_of_scattered_ones() -> None:
+    """Rows split over ranks: one region per tensor (their hull); two corners of a tensor: the
+    hull would be larger than the boxes, so each box is its own region. Every piece views the
+    region that holds it, at its place."""
+    full = torch.arange(40.0).reshape(10, 4)
+
+    def target(name: str, rows: tuple[int, int], cols: tuple[int, int] = (0, 4)) -> Target:
+        return Target(name, (10, 4), torch.float32,
+                      Box((rows[0], cols[0]), (rows[1] - rows[0], cols[1] - cols[0])))
+
+    slices = [target("w", (0, 3)), target("w", (3, 6)), target("w", (6, 10))]
+    corners = [target("c", (0, 2), (0, 2)), target("c", (8, 10), (2, 4))]
+    empty = Target("e", (0, 4), torch.float32, Box((0, 0), (0, 4)))
+    regions = waves.Regions.of([*slices, *corners, empty])
+    assert list(regions.by_name["w"]) == [Box((0, 0), (10, 4))]
+    assert list(regions.by_name["c"]) == [t.box for t in corners]
+    assert "e" not in regions.by_name and regions.nbytes >= (40 + 8) * 4
+    for piece in regions.pieces():  # what the read fills: the global tensor at each region
+        piece.view.copy_(full[piece.box.within(Box((0, 0), (10, 4)))])
+    for t in [*slices, *corners]:
+        p = regions.piece(t)
+        assert p.box == t.box and torch.equal(p.view, full[t.box.within(Box((0, 0), (10, 4)))])
+    assert regions.piece(empty).view.shape == (0, 4)

@@ -13,6 +13,8 @@ reader fetch and check only the slices of the chunks it reads. No torch here.
 
 from __future__ import annotations
 
+import itertools
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,18 +45,32 @@ class Frame:
 class FrameTable:
     """The frames of one chunk (or a slice of them): ``stored`` and ``checksums`` arrays."""
 
-    __slots__ = ("stored", "checksums", "_ends")
+    __slots__ = ("stored", "checksums", "_ends", "_bytes")
 
     def __init__(self, stored: np.ndarray, checksums: np.ndarray) -> None:
         self.stored = stored.astype(np.uint64, copy=False)
         self.checksums = checksums.astype(np.uint64, copy=False)
         self._ends: np.ndarray | None = None
+        self._bytes: bytes | None = None  # to_bytes(), when made from them
 
     @classmethod
     def of(cls, frames: Sequence[tuple[int, int]]) -> FrameTable:
-        """From ``(stored, checksum)`` pairs (checksums as integers)."""
-        arr = np.array(frames, dtype=np.uint64).reshape(-1, 2)
-        return cls(arr[:, 0].copy(), arr[:, 1].copy())
+        """From ``(stored, checksum)`` pairs (checksums as integers). Packed as the table file
+        stores them (a writer makes one per chunk: tens of thousands in a large reshard)."""
+        return cls.split([v for pair in frames for v in pair], [0, len(frames)])[0]
+
+    @classmethod
+    def split(cls, pairs: Sequence[int], cuts: Sequence[int]) -> list[FrameTable]:
+        """Tables of frames ``[cuts[i], cuts[i + 1])`` of the flat ``stored, checksum, ...``
+        list ``pairs``, made as one array."""
+        raw = struct.pack(f"<{len(pairs)}Q", *pairs)
+        arr = np.frombuffer(raw, dtype=_DTYPE).reshape(-1, 2)
+        out = []
+        for a, b in itertools.pairwise(cuts):
+            table = cls(arr[a:b, 0], arr[a:b, 1])
+            table._bytes = raw[a * ENTRY : b * ENTRY]
+            out.append(table)
+        return out
 
     @classmethod
     def from_json(cls, pairs: Sequence[tuple[int, str]]) -> FrameTable:
@@ -101,6 +117,8 @@ class FrameTable:
         return self._ends
 
     def to_bytes(self) -> bytes:
+        if self._bytes is not None:
+            return self._bytes
         return np.stack([self.stored, self.checksums], axis=1).astype(_DTYPE).tobytes()
 
     def to_json(self) -> list[list[int | str]]:

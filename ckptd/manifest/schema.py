@@ -16,7 +16,7 @@ import functools
 import json
 import math
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,8 @@ from ckptd.manifest.envelope import (
 )
 from ckptd.manifest.frames import FrameRef, FrameSource, FrameTable, check_sizes
 from ckptd.regions import Box
+
+TensorDoc = tuple[str, str, list[int], list[dict[str, Any]]]  # name, dtype, shape, chunks
 
 CHECKSUM = "xxh3_64"
 
@@ -208,11 +210,13 @@ class Manifest:
         """The whole manifest as one JSON object (``ckptd inspect --json``)."""
         tables = _tables(self.tensors)
         out = self._head(tables)
-        out["tensors"] = {
-            k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape),
-                "chunks": [c.to_json(tables) for c in v.chunks]}
-            for k, v in sorted(self.tensors.items())}
+        out["tensors"] = {name: {"dtype": dtype, "shape": shape, "chunks": chunks}
+                          for name, dtype, shape, chunks in self._tensor_docs(tables)}
         return out
+
+    def _tensor_docs(self, tables: dict[str, int]) -> Iterator[TensorDoc]:
+        for k, v in sorted(self.tensors.items()):
+            yield k, dtype_name(v.dtype), list(v.shape), [c.to_json(tables) for c in v.chunks]
 
     def _head(self, tables: dict[str, int]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -237,8 +241,10 @@ class Manifest:
         return out
 
     def encode(self) -> bytes:
-        """The file's bytes (format 3): see :func:`encode_doc`."""
-        return encode_doc(self.to_json())
+        """The file's bytes (format 3): see :func:`encode_doc`. Each tensor's JSON form is made
+        and encoded in turn (a manifest of 50,000 chunks never exists as one JSON object)."""
+        tables = _tables(self.tensors)
+        return _encode(self._head(tables), self._tensor_docs(tables))
 
 
 def _tables(tensors: dict[str, TensorEntry]) -> dict[str, int]:
@@ -253,19 +259,26 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
     the tail, so that a reader parses the head and only the entries it needs."""
     head = {k: v for k, v in doc.items()
             if k not in ("digest", "tail", "index", "tensors", "nbytes")}
+    return _encode(head, ((n, t["dtype"], t["shape"], t["chunks"])
+                          for n, t in doc["tensors"].items()))
+
+
+def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     texts: list[bytes] = []
     index: dict[str, list[Any]] = {}
+    nbytes = 0
     pos = 1  # inside the tensors object, after its "{"
-    for name, t in doc["tensors"].items():
+    for name, dtype, shape, chunks in tensors:
         key = json.dumps(name).encode() + b":"
-        body = json.dumps({"chunks": t["chunks"]}, separators=(",", ":")).encode()
+        body = json.dumps({"chunks": chunks}, separators=(",", ":")).encode()
         if texts:
             pos += 1  # the comma before it
-        index[name] = [t["dtype"], t["shape"], pos + len(key), len(body)]
+        index[name] = [dtype, shape, pos + len(key), len(body)]
         texts.append(key + body)
         pos += len(key) + len(body)
+        nbytes += sum(int(c["length"]) for c in chunks)
     tail = TENSORS_KEY + b"{" + b",".join(texts) + b"}}"
-    head["nbytes"] = sum(int(c["length"]) for t in doc["tensors"].values() for c in t["chunks"])
+    head["nbytes"] = nbytes
     head["index"] = index
     head_json = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
     return seal(tail_field(len(tail)) + head_json[1:-1] + tail)

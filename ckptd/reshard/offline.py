@@ -9,18 +9,27 @@ ranks is written by each of them when it is small (``replicate_small_bytes``: no
 the extra copies stay within ``replicate_max_share`` (1 %) of the checkpoint's bytes; otherwise
 once, by the least-loaded holder. Bytes written are at most 1.01 x the checkpoint's.
 
-Durability: the target ranks' files and partials are written without an fsync each and flushed
-together before the commit (``Storage.deferred_durability``: one ``syncfs`` on a local root).
+Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.reshard.waves`):
+the source regions of a run of consecutive ranks are read once, through the load planner
+(coalesced ranges, parallel reads, frames verified), and each rank's pieces are views of them,
+so the cost follows the bytes and the number of tensors, not the number of target ranks. A rank
+with more than its arena's bound is read alone, round by round, straight into its arena.
 
-Work and memory: target ranks are processed by ``workers`` threads; each fills an arena of at
-most ``budget / (2 * workers)`` bytes (a rank with more data takes several rounds, one file
-each) by reading the source through the load planner (coalesced ranges, parallel reads, frames
-verified) under a shared read budget of ``budget / 2``, then writes it with
-:class:`ckptd.writer.pipeline.RankWriter` (a fixed attempt id; its partial manifest per rank).
-The commit merges the partials (coverage and agreement checks of ``manifest.merge``), keeps the
-per-rank copies of replicated boxes, carries the source's values, per-rank values and training
-metadata (re-planned for the new world, :mod:`ckptd.elastic.reshard`), and writes
-``manifest.json`` atomically, then ``latest``.
+Work and memory: ``workers`` threads write the target ranks, each with an arena of at most
+``budget / (2 * workers)`` bytes (a rank with more data takes several rounds, one file each),
+with :class:`ckptd.writer.pipeline.RankWriter` (a fixed attempt id); at most two waves of
+``budget / 16`` bytes are held at once; reads share ``budget / 8`` of buffers (compressed
+sources; raw frames are read into place) and a block cache of ``budget / 32`` (at most 16 MiB)
+keeps the frames at the edges of consecutive ranks and waves from being fetched twice.
+
+Durability and the commit: files are written without an fsync each and the directories are
+walked once (``Storage.deferred_durability``), then flushed together before the commit (one
+``syncfs`` on a local root). The target ranks' partial manifests are merged in this process and
+never written (their frame tables are): the commit merges them (coverage and agreement checks
+of ``manifest.merge``), keeps the per-rank copies of replicated boxes, carries the source's
+values, per-rank values and training metadata (re-planned for the new world,
+:mod:`ckptd.elastic.reshard`), and writes ``manifest.json`` atomically, then ``latest``. A
+reshard killed before its commit leaves only data files of an attempt no manifest names.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +48,8 @@ import torch
 from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout, merge
-from ckptd.reshard import direct
+from ckptd.regions import Box
+from ckptd.reshard import direct, waves
 from ckptd.reshard.load import gap_bytes, make_plan
 from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
@@ -56,14 +66,12 @@ class RankPlan:
     rank: int
     holds: list[Target]
     writes: list[Target]
+    hold_bytes: int = field(init=False)
+    write_bytes: int = field(init=False)
 
-    @property
-    def hold_bytes(self) -> int:
-        return sum(t.nbytes for t in self.holds)
-
-    @property
-    def write_bytes(self) -> int:
-        return sum(t.nbytes for t in self.writes)
+    def __post_init__(self) -> None:
+        self.hold_bytes = sum(t.nbytes for t in self.holds)
+        self.write_bytes = sum(t.nbytes for t in self.writes)
 
 
 @dataclass
@@ -72,8 +80,11 @@ class RankReport:
     pieces: int
     hold_bytes: int
     write_bytes: int
-    read_bytes: int = 0  # stored bytes the reshard reads from the source for this rank
-    ranges: int = 0  # ... in this many requests
+    # stored bytes the reshard reads from the source for this rank, in this many requests; a
+    # wave's (ranks read together) shared out over its ranks in proportion to their writes
+    read_bytes: int = 0
+    ranges: int = 0
+    wave: int = -1  # the first rank of the wave it was read with (itself when read alone)
     peak_bytes: int = 0  # host memory for this rank's arena and its reads
     restart_ranges: int = 0  # requests a restart on the original checkpoint would make
     restart_bytes: int = 0
@@ -90,37 +101,39 @@ def split_writers(assignment: Assignment, replicate_small: int,
     So the bytes written are at most ``1 + max_share`` times the checkpoint's."""
     if max_share is None:
         max_share = config.get().replicate_max_share
-    holders: dict[tuple[str, Any], list[int]] = {}
-    target: dict[tuple[str, Any], Target] = {}
+    index: dict[tuple[str, Box], int] = {}  # (name, box) -> its number, in assignment order
+    target: list[Target] = []
+    holders: list[list[int]] = []
     for r, targets in enumerate(assignment.ranks):
         for t in targets:
-            k = (t.name, t.box)
-            rs = holders.setdefault(k, [])
-            if not rs or rs[-1] != r:
-                rs.append(r)
-            target[k] = t
-    writes: list[list[Target]] = [[] for _ in assignment.ranks]
+            i = index.setdefault((t.name, t.box), len(target))
+            if i == len(target):
+                target.append(t)
+                holders.append([r])
+            elif holders[i][-1] != r:
+                holders[i].append(r)
+    writes: list[list[int]] = [[] for _ in assignment.ranks]
     load = [0] * len(assignment.ranks)
     shared = []
-    room = max_share * sum(t.nbytes for t in target.values())  # bytes of extra copies allowed
-    for k in sorted(holders, key=lambda k: (target[k].nbytes, k[0], k[1].offsets)):
-        t, rs = target[k], holders[k]
-        extra = (len(rs) - 1) * t.nbytes
-        if len(rs) == 1 or (t.nbytes <= replicate_small and extra <= room):
+    size = [t.nbytes for t in target]
+    room = max_share * sum(size)  # bytes of extra copies allowed
+    for i in sorted(range(len(target)), key=lambda i: (size[i], target[i].name,
+                                                       target[i].box.offsets)):
+        rs = holders[i]
+        extra = (len(rs) - 1) * size[i]
+        if len(rs) == 1 or (size[i] <= replicate_small and extra <= room):
             room -= extra
             for r in rs:
-                writes[r].append(t)
-                load[r] += t.nbytes
+                writes[r].append(i)
+                load[r] += size[i]
         else:
-            shared.append(k)
-    for k in sorted(shared, key=lambda k: (-target[k].nbytes, k[0], k[1].offsets)):
-        owner = min(holders[k], key=lambda r: (load[r], r))
-        writes[owner].append(target[k])
-        load[owner] += target[k].nbytes
-    order = {k: i for i, k in enumerate(holders)}  # the assignment's (name, box) order
-    for w in writes:
-        w.sort(key=lambda t: order[(t.name, t.box)])
-    return [RankPlan(r, holds, writes[r]) for r, holds in enumerate(assignment.ranks)]
+            shared.append(i)
+    for i in sorted(shared, key=lambda i: (-size[i], target[i].name, target[i].box.offsets)):
+        owner = min(holders[i], key=lambda r: (load[r], r))
+        writes[owner].append(i)
+        load[owner] += size[i]
+    return [RankPlan(r, holds, [target[i] for i in sorted(writes[r])])
+            for r, holds in enumerate(assignment.ranks)]
 
 
 def meta_pieces(targets: list[Target]) -> list[Piece]:
@@ -164,29 +177,48 @@ class Resharder:
         self.workers = max(1, min(self.threads, len(self.plans)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
         self.src_dir = layout.step_dir(self.step)
+        # ranks small enough are read in waves; at most two waves' regions are held at a time
+        # (one being written, the next read), beside the workers' arenas
+        self.waves = waves.group([p.write_bytes for p in self.plans], self.arena_budget,
+                                 max(1, self.budget // 16))
 
     # ---------------------------------------------------------------- dry run
     def dry_run(self) -> list[RankReport]:
         out = []
-        reads = Buffers(self.budget // 2)
-        for p in self.plans:
-            rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
-            rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget, tight=True)
-            for rnd in rounds:
-                plan = make_plan(self.source, self.manifest, _slot_pieces(rnd.plans), None,
-                                 reads)
-                rep.read_bytes += plan.stored_bytes
-                rep.ranges += len(plan.ranges)
-                costs = sorted((reads.cost(r) for r in plan.ranges), reverse=True)
-                in_flight = min(sum(costs[: self.threads]), reads.limit)
-                rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + in_flight)
-            restart = make_plan(self.source, self.manifest, meta_pieces(p.holds), p.rank,
-                                Buffers(self.budget))
-            rep.restart_ranges, rep.restart_bytes = len(restart.ranges), restart.stored_bytes
-            out.append(rep)
-            if self.on_bytes:
-                self.on_bytes(p.write_bytes)
+        reads = Buffers(self.budget // 8)
+        for wave in self.waves:
+            plans = [self.plans[r] for r in wave]
+            reps = [_report(p, plans[0].rank) for p in plans]
+            if len(plans) == 1:
+                rounds = plan_rounds(meta_pieces(plans[0].writes), 1, self.arena_budget,
+                                     tight=True)
+                for rnd in rounds:
+                    read = ReadStats()
+                    peak = self._dry_read(_slot_pieces(rnd.plans), reads, read)
+                    reps[0].read_bytes += read.stored_bytes
+                    reps[0].ranges += read.ranges
+                    reps[0].peak_bytes = max(reps[0].peak_bytes, rnd.nbytes + peak)
+            else:
+                regions = waves.Regions.of([t for p in plans for t in p.writes], "meta")
+                read = ReadStats()
+                peak = self._dry_read(regions.pieces(), reads, read)
+                _share_reads(reps, read, regions.nbytes + peak)
+            for p, rep in zip(plans, reps, strict=True):
+                restart = make_plan(self.source, self.manifest, meta_pieces(p.holds), p.rank,
+                                    Buffers(self.budget))
+                rep.restart_ranges, rep.restart_bytes = len(restart.ranges), restart.stored_bytes
+                out.append(rep)
+                if self.on_bytes:
+                    self.on_bytes(p.write_bytes)
         return out
+
+    def _dry_read(self, pieces: list[Piece], reads: Buffers, into: ReadStats) -> int:
+        """What reading ``pieces`` would fetch (into ``into``); the read buffers it would hold."""
+        plan = make_plan(self.source, self.manifest, pieces, None, reads)
+        into.stored_bytes += plan.stored_bytes
+        into.ranges += len(plan.ranges)
+        costs = sorted((reads.cost(r) for r in plan.ranges), reverse=True)
+        return min(sum(costs[: self.threads]), reads.limit)
 
     # ---------------------------------------------------------------- run
     def run(self, training: dict[str, Any]) -> tuple[Manifest, list[RankReport]]:
@@ -199,19 +231,18 @@ class Resharder:
         run_id = f"reshard{uuid.uuid4().hex[:8]}"
         attempt = f"{run_id}-000001"
         codec, level = output_codec(self.manifest, self.compression)
-        read_budget = Buffers(self.budget // 2)
+        read_budget = Buffers(self.budget // 8)
         partials: list[Manifest | None] = [None] * len(self.plans)
         reports: list[RankReport | None] = [None] * len(self.plans)
         commit.claim(dest, run_id)
-        # The source's files, opened once for every target rank, with a block cache: target
-        # ranks that each hold a thin slice of every tensor read the same frames, and would
-        # otherwise fetch them once each (an FSDP2 checkpoint at --to-world 256: 67x the bytes).
+        # The source's files, opened once for every target rank, with a block cache for the
+        # frames that consecutive ranks and waves share at their edges.
         files = StepFiles(self.source, self.src_dir,
                           {c.file for e in self.manifest.tensors.values() for c in e.chunks},
-                          cache_bytes=min(self.budget // 4, 256 << 20),
+                          cache_bytes=min(self.budget // 32, 16 << 20),
                           block_bytes=config.get().min_frame_bytes)
-        # nothing is visible before the commit: the files and partials of every target rank are
-        # made durable together, before it (one filesystem sync, not three fsyncs per rank)
+        # nothing is visible before the commit: the files of every target rank are made durable
+        # together, before it (one filesystem sync, not two fsyncs per rank)
         with extended(dest).deferred_durability(), files, \
                 ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
                 ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
@@ -223,9 +254,31 @@ class Resharder:
                 partials[p.rank], reports[p.rank] = self._write_rank(
                     p, local.writer, attempt, io, read_budget, files)
 
+            def wave_rank(p: RankPlan, regions: waves.Regions, rep: RankReport) -> None:
+                if not hasattr(local, "writer"):
+                    local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
+                partials[p.rank] = self._write_from(p, local.writer, attempt, regions, rep)
+                reports[p.rank] = rep
+
+            futures: list[list[Future[None]]] = []
             try:
-                for f in [workers.submit(one, p) for p in self.plans]:
-                    f.result()
+                for wave in self.waves:
+                    plans = [self.plans[r] for r in wave]
+                    if len(plans) == 1:
+                        futures.append([workers.submit(one, plans[0])])
+                        continue
+                    if len(futures) >= 2:  # two waves' regions at most: the previous one's
+                        for f in futures[-2]:  # and this one's
+                            f.result()
+                    regions = waves.Regions.of([t for p in plans for t in p.writes])
+                    reps = [_report(p, plans[0].rank) for p in plans]
+                    read = self._read(regions.pieces(), files, io, read_budget)
+                    _share_reads(reps, read, regions.nbytes + read_budget.peak)
+                    futures.append([workers.submit(wave_rank, p, regions, rep)
+                                    for p, rep in zip(plans, reps, strict=True)])
+                for fs in futures:
+                    for f in fs:
+                        f.result()
             except BaseException:
                 for path in (f"{layout.step_dir(self.step)}/data/{attempt}",
                              layout.partials_dir(self.step, attempt)):
@@ -250,27 +303,36 @@ class Resharder:
         commit.commit(dest, out, run_id)
         return out, [r for r in reports if r is not None]
 
-    def _write_rank(self, p: RankPlan, writer: RankWriter, attempt: str, io: ThreadPoolExecutor,
-                    read_budget: Buffers, files: StepFiles) -> tuple[Manifest, RankReport]:
+    def _share(self, p: RankPlan, attempt: str) -> Share:
         declared = {t.name: TensorEntry(t.dtype, t.shape) for t in p.holds}
         if p.rank == 0:  # every tensor declared somewhere, even one with no elements
             declared = {n: TensorEntry(e.dtype, e.shape) for n, e in self.manifest.tensors.items()}
-        share = Share(self.step, attempt, p.rank, len(self.plans), declared,
-                      values=dict(self.manifest.values) if p.rank == 0 else {})
-        rep = RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes)
+        return Share(self.step, attempt, p.rank, len(self.plans), declared,
+                     values=dict(self.manifest.values) if p.rank == 0 else {})
+
+    def _read(self, pieces: list[Piece], files: StepFiles, io: ThreadPoolExecutor,
+              read_budget: Buffers) -> ReadStats:
+        """Fill ``pieces`` from the source: planned, bounds checked, frames verified."""
+        plan = make_plan(self.source, self.manifest, pieces, None, read_budget)
+        stats = ReadStats()
+        files.check_bounds(plan.ranges)
+        direct.fill(files, self.manifest, plan.ranges, None, io, read_budget,
+                    gap_bytes(self.source), read_budget.unit, stats)
+        return stats
+
+    def _write_rank(self, p: RankPlan, writer: RankWriter, attempt: str, io: ThreadPoolExecutor,
+                    read_budget: Buffers, files: StepFiles) -> tuple[Manifest, RankReport]:
+        """A rank of its own: each round read straight into its arena, then written."""
+        share = self._share(p, attempt)
+        rep = _report(p, p.rank)
         rounds = plan_rounds(meta_pieces(p.writes), 1, self.arena_budget, tight=True)
         chunks = []
         index = 0
         for rnd in rounds:
             arena = writer.pool.acquire(rnd.nbytes)
             try:
-                pieces = _slot_pieces(rnd.plans, arena.buffer)
-                plan = make_plan(self.source, self.manifest, pieces, None, read_budget)
-                stats = ReadStats()
                 before = read_budget.peak
-                files.check_bounds(plan.ranges)
-                direct.fill(files, self.manifest, plan.ranges, None, io,
-                            read_budget, gap_bytes(self.source), read_budget.unit, stats)
+                stats = self._read(_slot_pieces(rnd.plans, arena.buffer), files, io, read_budget)
                 rep.read_bytes += stats.stored_bytes
                 rep.ranges += stats.ranges
                 rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + max(before, read_budget.peak))
@@ -280,7 +342,37 @@ class Resharder:
             index += len(rnd.plans)
             if self.on_bytes:
                 self.on_bytes(sum(s.nbytes for fp in rnd.plans for s in fp.slots))
-        return writer.write_partial(share, chunks), rep
+        return writer.partial(share, chunks), rep
+
+    def _write_from(self, p: RankPlan, writer: RankWriter, attempt: str,
+                    regions: waves.Regions, rep: RankReport) -> Manifest:
+        """A rank of a wave: its pieces view the wave's regions, staged like a save's."""
+        share = self._share(p, attempt)
+        rounds = plan_rounds([regions.piece(t) for t in p.writes], 1, self.arena_budget,
+                             tight=True)
+        chunks = writer.write_rounds(share, rounds)
+        rep.peak_bytes += sum(r.nbytes for r in rounds)
+        if self.on_bytes:
+            self.on_bytes(p.write_bytes)
+        return writer.partial(share, chunks)
+
+
+def _report(p: RankPlan, wave: int) -> RankReport:
+    return RankReport(p.rank, len(p.holds), p.hold_bytes, p.write_bytes, wave=wave)
+
+
+def _share_reads(reps: list[RankReport], read: ReadStats, peak: int) -> None:
+    """A wave's reads, shared out over its ranks in proportion to their writes (cumulative
+    rounding: the totals are the wave's); each rank's peak memory is the wave's so far."""
+    total = sum(r.write_bytes for r in reps) or 1
+    done = 0
+    given = [0, 0]
+    for r in reps:
+        done += r.write_bytes
+        nbytes, ranges = read.stored_bytes * done // total, read.ranges * done // total
+        r.read_bytes, r.ranges = nbytes - given[0], ranges - given[1]
+        given = [nbytes, ranges]
+        r.peak_bytes = peak
 
 
 def _slot_pieces(plans: list[Any], arena: torch.Tensor | None = None) -> list[Piece]:

@@ -83,10 +83,12 @@ def split_dim(size: int, n: int, i: int, mode: str, divisible_by: int = 1) -> tu
 
 
 def _cut(box: Box, dim: int, offset: int, size: int) -> Box:
-    o, s = list(box.offsets), list(box.sizes)
+    """Part ``[offset, offset + size)`` of ``box`` along ``dim`` (inside it: ``split_dim``)."""
+    o, s, e = list(box.offsets), list(box.sizes), list(box.ends)
     o[dim] += offset
     s[dim] = size
-    return Box(tuple(o), tuple(s))
+    e[dim] = o[dim] + size
+    return Box._of(tuple(o), tuple(s), tuple(e))
 
 
 class Resolver:
@@ -103,6 +105,7 @@ class Resolver:
         self._num_layers: int | None = None
         self._rules: dict[str, Rule | None] = {}
         self._boxes: dict[tuple[str, int, int], list[Box]] = {}
+        self._whole: dict[str, Box] = {}
         self._members: dict[tuple[int, int], list[str]] = {}
         self.names = sorted((n for n in manifest.tensors if not n.startswith(LOCAL_PREFIX + "/")),
                             key=natural_key)
@@ -115,8 +118,15 @@ class Resolver:
         self.stage = {n: self._stage(n) for n in self.names}
         self.group = {n: self._group(n) for n in self.names}
         for n in self.names:  # validate every split now: errors before any work
+            rule = self.rule(n)
+            for dim in (rule.dp_dim, rule.tp_dim):
+                if dim is not None and dim >= len(manifest.tensors[n].shape):
+                    raise LayoutError(f"layout {src}: {n} {list(manifest.tensors[n].shape)}: "
+                                      f"{rule.describe()}: the tensor has no dim {dim}")
+            # a DP split on another dim leaves the TP split the same for every DP rank
+            dps = self.dp if rule.dp_dim is not None and rule.dp_dim == rule.tp_dim else 1
             for t in range(spec.tp):
-                for d in range(self.dp if self.rule(n).dp_dim is not None else 1):
+                for d in range(dps):
                     self.tp_boxes(n, t, d)
 
     # -- per tensor
@@ -178,29 +188,26 @@ class Resolver:
 
     def tp_boxes(self, name: str, t: int, d: int = 0) -> list[Box]:
         """The boxes of ``name`` TP rank ``t`` (and, with dp_dim, DP rank ``d``) holds."""
-        if self.rule(name).dp_dim is None:
+        if self._rules[name].dp_dim is None:  # type: ignore[union-attr]  # checked in __init__
             d = 0
         key = (name, t, d)
-        if key not in self._boxes:
-            self._boxes[key] = self._tp_boxes(name, t, d)
-        return self._boxes[key]
+        boxes = self._boxes.get(key)
+        if boxes is None:
+            boxes = self._boxes[key] = self._tp_boxes(name, t, d)
+        return boxes
 
     def _tp_boxes(self, name: str, t: int, d: int) -> list[Box]:
         entry, rule, spec = self.manifest.tensors[name], self.rule(name), self.spec
-        box = Box.whole(entry.shape)
+        box = self._whole.get(name) or self._whole.setdefault(name, Box.whole(entry.shape))
 
         def fail(dim: int, size: int, n: int, axis: str, why: str) -> LayoutError:
             return LayoutError(f"layout {spec.source}: {name} {list(entry.shape)}: "
                                f"{rule.describe()}: dim {dim} of size {size} {why} by {axis} {n}")
 
-        for dim in (rule.dp_dim, rule.tp_dim):
-            if dim is not None and dim >= len(entry.shape):
-                raise LayoutError(f"layout {spec.source}: {name} {list(entry.shape)}: "
-                                  f"{rule.describe()}: the tensor has no dim {dim}")
         if rule.dp_dim is not None:
             off, size = split_dim(box.sizes[rule.dp_dim], self.dp, d, "chunk")
             box = _cut(box, rule.dp_dim, off, size)
-        if rule.tp_dim is None or rule.replicated:
+        if rule.tp_dim is None or rule.replicated or (spec.tp == 1 and rule.fused is None):
             return [box]
         dim, n = rule.tp_dim, spec.tp
         parts = [(0, box.sizes[dim])]

@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -66,17 +67,31 @@ class LocalStorage(StorageBase):
         self.url = self.root
         self.direct = direct
         self._defer = False  # inside deferred_durability(): no fsync per write
+        # inside deferred_durability(): the directories walked so far, kept open (a writer of
+        # thousands of files in a few directories walks each once; every component of a walk
+        # is an open, ~0.2 ms on a busy ext4 and more on a parallel filesystem)
+        self._dirs: dict[tuple[str, ...], int] | None = None
+        self._dirs_lock = threading.Lock()
 
     @contextlib.contextmanager
     def deferred_durability(self) -> Iterator[None]:
-        """Writes skip their fsyncs; on leaving, one ``syncfs`` of the root's filesystem
-        (``sync`` where there is none) makes them durable together."""
+        """Writes skip their fsyncs, and the directories they write into are walked once; on
+        leaving, one ``syncfs`` of the root's filesystem (``sync`` where there is none) makes
+        them durable together."""
         self._defer = True
+        self._dirs = {}
         try:
             yield
         finally:
             self._defer = False
+            self._forget_dirs(stop=True)
         _sync_filesystem(self.root)
+
+    def _forget_dirs(self, stop: bool = False) -> None:
+        with self._dirs_lock:
+            dirs, self._dirs = self._dirs, (None if stop or self._dirs is None else {})
+        for fd in (dirs or {}).values():
+            os.close(fd)
 
     def _fsync(self, fd: int) -> None:
         if not self._defer:
@@ -93,8 +108,23 @@ class LocalStorage(StorageBase):
         return parts
 
     def _dir_fd(self, parts: list[str], create: bool) -> int:
-        """A descriptor of the directory ``root/parts``, walked without following links (and
-        made, with ``create``). FileNotFoundError when a component is missing."""
+        """A descriptor of the directory ``root/parts`` (the caller closes it), walked without
+        following links (and made, with ``create``). FileNotFoundError when a component is
+        missing. Inside ``deferred_durability()``, a copy of the descriptor of the first walk."""
+        if self._dirs is None:
+            return self._walk(parts, create)
+        key = tuple(parts)
+        with self._dirs_lock:
+            cached = None if self._dirs is None else self._dirs.get(key)
+            if cached is not None:
+                return os.dup(cached)
+        fd = self._walk(parts, create)
+        with self._dirs_lock:
+            if self._dirs is not None and key not in self._dirs:
+                self._dirs[key] = os.dup(fd)
+        return fd
+
+    def _walk(self, parts: list[str], create: bool) -> int:
         if create:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -307,6 +337,7 @@ class LocalStorage(StorageBase):
         parts = self._parts(path)
         if not parts:
             raise StorageError(f"{self.root}: refusing to remove the checkpoint root")
+        self._forget_dirs()  # a kept directory may be the one removed
         try:
             dfd = self._dir_fd(parts[:-1], create=False)
         except (FileNotFoundError, NotADirectoryError):

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
+import xxhash
 
 from ckptd import config
 from ckptd.manifest import Chunk, FrameTable, codecs
@@ -49,26 +50,24 @@ def write_file(
     mem = memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
     chunks: ChunkList = []
     if codec == codecs.RAW:
-        # The arena range is the file image: checksum frames in place, then one big write.
+        # The arena range is the file image: checksum frames in place, then one big write. The
+        # frame tables of all the file's chunks are made as one array (an offline reshard
+        # writes tens of thousands of one-frame chunks).
+        pairs: list[int] = []
+        cuts = [0]
+        sizes = []
+        checksum = xxhash.xxh3_64_intdigest
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
             fb = frame_size(s.nbytes, s.piece.view.element_size(), frame_bytes)
-            frames = FrameTable.of([(len(f), codecs.checksum_int(f)) for f in _frames_of(raw, fb)])
-            chunks.append(
-                (
-                    s.piece.name,
-                    _chunk(
-                        s.piece.box,
-                        rel_path,
-                        s.offset - plan.start,
-                        s.nbytes,
-                        codec,
-                        fb,
-                        frames,
-                        rank,
-                    ),
-                )
-            )
+            for i in range(0, s.nbytes, fb):
+                f = raw[i : i + fb]
+                pairs += (len(f), checksum(f))
+            cuts.append(len(pairs) // 2)
+            sizes.append(fb)
+        for s, fb, frames in zip(plan.slots, sizes, FrameTable.split(pairs, cuts), strict=True):
+            chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, s.offset - plan.start,
+                                                s.nbytes, codec, fb, frames, rank)))
         storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]])
         return chunks
 

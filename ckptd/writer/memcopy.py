@@ -87,8 +87,13 @@ def copy_all(copies: list[Copy], threads: int | None = None) -> None:
     """``memmove`` every ``(dst, src, n)``; returns when all are done. Uses up to ``threads``
     threads, the caller's included (default ``config.stage_threads()``)."""
     k = config.stage_threads() if threads is None else threads
+    total = sum(n for _, _, n in copies)
+    if k <= 1 or total <= SEGMENT:  # one segment's worth: no helper pays for its hand-off
+        for dst, src, n in copies:
+            ctypes.memmove(dst, src, n)
+        return
     segments = _Segments(copies)
-    helpers = min(k, len(segments.todo)) - 1
+    helpers = min(k, len(segments.todo), -(-total // SEGMENT)) - 1
     if helpers > 0:
         pool = _helpers(k - 1)
         try:

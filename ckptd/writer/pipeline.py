@@ -12,12 +12,11 @@ background.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,7 +148,7 @@ class RankWriter:
     """Writes one rank's files for one attempt, round by round, then its partial manifest."""
 
     def __init__(
-        self, storage: Storage, io: ThreadPoolExecutor, pool: StagingPool, codec: str, level: int
+        self, storage: Storage, io: Executor, pool: StagingPool, codec: str, level: int
     ) -> None:
         self.storage = storage
         self.io = io
@@ -206,6 +205,15 @@ class RankWriter:
 
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         """The rank's frame table, then its partial manifest (which names slices of it)."""
+        partial = self.partial(share, chunks)
+        self.storage.put_atomic(
+            layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
+        )
+        return partial
+
+    def partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
+        """The rank's frame table, written, and its partial manifest, not written: for a
+        writer that merges every rank's partial in the same process (``ckptd reshard``)."""
         unknown = {name for name, _ in chunks} - set(share.declared)
         if unknown:
             raise CkptdError(f"chunks written for undeclared tensors {sorted(unknown)}")
@@ -216,8 +224,9 @@ class RankWriter:
         self.storage.write_file(f"{layout.step_dir(share.step)}/{table}", [blob])
         by_name: dict[str, list[Chunk]] = {}
         for (name, c), (first, count, digest) in zip(chunks, refs, strict=True):
-            by_name.setdefault(name, []).append(
-                dataclasses.replace(c, ref=FrameRef(table, first, count, digest)))
+            by_name.setdefault(name, []).append(Chunk(  # not dataclasses.replace: 3x the time
+                c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, c.frames, c.rank,
+                FrameRef(table, first, count, digest)))
         # what it wrote, in full; what it holds but a replica wrote, by name (the coordinator
         # checks that some rank wrote it): a partial grows with the rank's writes
         tensors = {
@@ -225,7 +234,7 @@ class RankWriter:
             for n, e in share.declared.items() if n in by_name or not math.prod(e.shape)
         }
         holds = tuple(sorted(n for n in share.declared if n not in tensors))
-        partial = Manifest(
+        return Manifest(
             share.step,
             share.attempt,
             share.world_size,
@@ -237,10 +246,6 @@ class RankWriter:
             rank=share.rank,
             holds=holds,
         )
-        self.storage.put_atomic(
-            layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
-        )
-        return partial
 
     def write_rounds(
         self,
