@@ -6,12 +6,14 @@ checks that no agent process is left."""
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import multiprocessing as mp
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -750,6 +752,55 @@ def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_pat
         assert c.save(_big(2)).handed_to is None  # late, perhaps, but not lost
     _check(root, 2)
     assert _handoff_records(root, 2) == []
+    assert "rank 0 step 2: no peer took it; writing it here" in agents.log()
+
+
+def test_a_stopping_agent_counts_every_save_it_is_writing_against_the_grace_left(
+        tmp_path, monkeypatch):
+    """The ranks of a node send their last saves together: each may fit the grace window
+    alone, but the node's disk writes them all. The agent takes what fits with the saves it is
+    writing already (the rest are handed off), and frees their bytes once written."""
+    from ckptd.agent.server import Agent
+
+    monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", str(1 << 20))  # 1 MiB/s
+    monkeypatch.setenv("CKPTD_GRACE_S", "30")
+    agent = Agent("n", str(tmp_path))
+    assert agent.claim(20 << 20)  # not stopping: taken (and counted)
+    agent.stop()
+    assert agent.claim(8 << 20)  # with the 20 MiB being written: 28 s of the 30 s
+    assert not agent.claim(4 << 20)  # 32 s: it would fit alone, not with the others
+    assert not agent.claim(4 << 20, force=True)  # no peer took it: written here, and counted
+    agent.release(20 << 20)
+    assert agent.claim(16 << 20)  # 8 + 4 + 16 MiB: 28 s
+    assert not agent.claim(4 << 20)
+
+
+def test_a_hand_off_gives_up_on_a_peer_that_never_answers_when_the_grace_window_ends(
+        tmp_path, agents, monkeypatch):
+    """The only peer accepts the connection and never says a word (a hung agent): the stopping
+    agent gives up on it when its grace window ends, not after a fixed minute, and writes the
+    save itself."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", "1000")  # 16 MiB cannot be written in time
+    monkeypatch.setenv("CKPTD_GRACE_S", "5")
+    root = str(tmp_path / "root")
+    from ckptd.storage import open_storage
+
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # the kernel accepts; nobody reads
+        open_storage(root).put_atomic("_agents/hung.json", json.dumps(
+            {"node": "hung", "host": "127.0.0.1", "port": hung.getsockname()[1]}).encode())
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
+            c.save(_big(1))
+            os.kill(agents.pid(), signal.SIGTERM)
+            _wait(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
+            t0 = time.monotonic()
+            assert c.save(_big(2)).handed_to is None
+            # a bound on the failure only: the old fixed socket timeout was 60 s
+            assert time.monotonic() - t0 < 45
+    _check(root, 2)
+    log_text = agents.log()
+    assert "hand-off of rank 0 step 2 to node hung failed" in log_text
+    assert "rank 0 step 2: no peer took it; writing it here" in log_text
 
 
 def test_a_preemption_save_the_node_cannot_write_in_time_is_safe_via_a_peer_and_recorded(

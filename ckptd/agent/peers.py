@@ -338,16 +338,23 @@ class Replicator:
         return True
 
     def hand_off(self, storage: Storage, spec: dict[str, Any], job: dict[str, Any],
-                 staged: memoryview, rank: int, step: int) -> str | None:
+                 staged: memoryview, rank: int, step: int,
+                 within_s: float = float("inf")) -> str | None:
         """Give a save this (stopping) agent cannot write in time to the first agent of the
         ring that takes it: the job (JSON) and its staged bytes, which the receiver writes and
         commits like its own. The node that holds it now, or None (none would: write it here).
-        Not rate-limited: it races the grace window."""
+        Not rate-limited: it races the grace window, ``within_s`` from now, which bounds every
+        socket operation (a peer that stops answering cannot hold the save past it)."""
         header = {"op": "handoff", "spec": spec, "origin": self.node, "rank": rank,
                   "step": step, "job": job, "files": {"arena": len(staged)}}
+        deadline = time.monotonic() + within_s
         for peer in self.peers(storage):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("ckptd agent: no grace left to hand off rank %d step %d", rank, step)
+                break
             try:
-                if self._transfer(peer, header, [staged], None):
+                if self._transfer(peer, header, [staged], None, deadline=deadline):
                     log.warning("ckptd agent: rank %d step %d handed to node %s (%d bytes): "
                                 "it writes and commits it", rank, step, peer["node"],
                                 len(staged))
@@ -360,10 +367,23 @@ class Replicator:
         return None
 
     def _transfer(self, peer: dict[str, Any], header: dict[str, Any],
-                  parts: list[memoryview], rate: float | None) -> bool:
-        """``header`` then ``parts`` to ``peer`` (at most ``rate`` bytes/s): True once it holds
-        them, False if it refused them (no room, or stopping)."""
-        with socket.create_connection((peer["host"], int(peer["port"])), timeout=60) as s:
+                  parts: list[memoryview], rate: float | None,
+                  deadline: float | None = None) -> bool:
+        """``header`` then ``parts`` to ``peer`` (at most ``rate`` bytes/s; 60 s for each
+        socket operation, and all of it before the monotonic ``deadline`` if given): True once
+        it holds them, False if it refused them (no room, or stopping)."""
+
+        def bound(s: socket.socket) -> None:
+            left = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"node {peer['node']}: out of time")
+            s.settimeout(left)
+
+        connect = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
+        if connect <= 0:
+            raise TimeoutError(f"node {peer['node']}: out of time")
+        with socket.create_connection((peer["host"], int(peer["port"])), timeout=connect) as s:
+            bound(s)
             _answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
             wire.send(s, header)
             if not wire.recv(s, 4096).get("ok"):
@@ -373,12 +393,14 @@ class Replicator:
             for mem in parts:
                 for i in range(0, len(mem), 4 << 20):
                     part = mem[i: i + (4 << 20)]
+                    bound(s)
                     s.sendall(part)
                     sent += len(part)
                     if rate:  # pace to the rate limit
                         ahead = sent / rate - (time.monotonic() - t0)
                         if ahead > 0:
                             time.sleep(ahead)
+            bound(s)
             if not wire.recv(s, 4096).get("ok"):
                 raise ConnectionError(f"node {peer['node']} did not store it")
             self.sent += sent

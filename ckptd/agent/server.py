@@ -12,7 +12,7 @@ socket's mode.
 SIGTERM or a ``stop`` request: stop accepting new clients; serve the connected trainers until
 they close (their last save comes after the SIGTERM) or the grace window ends; finish every job —
 a save that cannot be written in the grace left is handed to a peer that is not stopping
-(:meth:`Agent.fits`, :meth:`Agent.hand_off`); wait for the newest step's peer copies inside the
+(:meth:`Agent.claim`, :meth:`Agent.hand_off`); wait for the newest step's peer copies inside the
 grace left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
 itself (a job's agent does not outlive it for long).
 """
@@ -59,6 +59,7 @@ class Agent:
         self._idle = threading.Condition(self._lock)
         self._sessions: set[Session] = set()
         self._busy = 0  # jobs accepted and not finished, over all sessions
+        self._writing = 0  # bytes of the saves being written here (claim / release)
         self._runs: dict[str, int] = {}  # the same, by run id
         self._idle_since = time.monotonic()
         self._storages: dict[str, Storage] = {}
@@ -127,18 +128,32 @@ class Agent:
         """Bytes/s this node writes: the launcher's figure if given, else the measured one."""
         return self._assumed_bps or self._write_bps
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a save of ``nbytes`` can be written here before the grace window ends (True
-        while not stopping, and when no bandwidth is measured or assumed)."""
-        bps = self._bandwidth
-        return not self.stopping.is_set() or not bps or nbytes / bps <= self.grace_left()
+    def claim(self, nbytes: int, *, force: bool = False) -> bool:
+        """Whether a save of ``nbytes`` can be written here before the grace window ends, with
+        the bytes of every save this node is writing already (one disk: the node's jobs share
+        its bandwidth). True while not stopping, and when no bandwidth is measured or assumed;
+        then the bytes count as being written until :meth:`release`. ``force``: count them
+        whatever the answer (a save that no peer took is written here all the same)."""
+        with self._lock:
+            bps = self._bandwidth
+            fits = (not self.stopping.is_set() or not bps
+                    or (self._writing + nbytes) / bps <= self.grace_left())
+            if fits or force:
+                self._writing += nbytes
+            return fits
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._writing -= nbytes
 
     def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
                  rank: int, step: int) -> str | None:
-        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`)."""
+        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`), inside the
+        grace left."""
         if self.replicator is None:
             return None
-        return self.replicator.hand_off(self.storage(spec), spec, job, staged, rank, step)
+        return self.replicator.hand_off(self.storage(spec), spec, job, staged, rank, step,
+                                        self.grace_left())
 
     def _start_peers(self) -> None:
         secret = job_secret()

@@ -182,19 +182,24 @@ class Session:
     def _run(self, rid: int, run: str, msg: dict[str, Any], seg_id: int) -> None:
         share = msg["job"].get("share", {})
         what = f"rank {share.get('rank')} step {share.get('step')}"
+        claimed = 0
         try:
             assert self._io is not None, "hello first"
             seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
-            if not self.agent.fits(job.round.nbytes):  # stopping, and too slow to write it
-                staged = seg.view()[:job.round.nbytes]
+            nbytes = job.round.nbytes
+            if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
+                staged = seg.view()[:nbytes]
                 to = self.agent.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
                                          job.share.step)
                 if to is not None:
-                    self.reply({"id": rid, "op": "done", "nbytes": job.round.nbytes,
-                                "write_s": 0.0, "handed_to": to, "kept": False,
-                                "released": []})
+                    self.reply({"id": rid, "op": "done", "nbytes": nbytes, "write_s": 0.0,
+                                "handed_to": to, "kept": False, "released": []})
                     return
+                log.warning("ckptd agent: %s: no peer took it; writing it here, past the "
+                            "grace window if it must", what)
+                self.agent.claim(nbytes, force=True)
+            claimed = nbytes
             storage = self.agent.storage(msg["storage"])
             out = remote.run(storage, self._io, job, seg.tensor)
             out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
@@ -213,6 +218,7 @@ class Session:
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
         finally:
+            self.agent.release(claimed)
             self.agent.job_ended(run)
 
 

@@ -6,9 +6,10 @@
 - :func:`on_preemption` / :func:`preempted` turn a SIGTERM on one rank into one agreed save
   point on every rank (:mod:`ckptd.elastic.preemption`).
 - :func:`resume` starts an incarnation of an elastic run: re-planned settings, the checkpoint
-  to load, the data position, the preemption save (:class:`ElasticRun`,
-  :mod:`ckptd.elastic.run`); :class:`TrainingMeta` is the training metadata every save of
-  such a run carries, with its churn history (:mod:`ckptd.elastic.history`).
+  to load, the data position (:mod:`ckptd.elastic.incarnation`); it returns the
+  :class:`ElasticRun` that trains, saves and handles the preemption (:mod:`ckptd.elastic.run`).
+  :class:`TrainingMeta` is the training metadata every save of such a run carries, with its
+  churn history (:mod:`ckptd.elastic.history`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _EXPORTS = {
     "render_markdown": "ckptd.elastic.table",
     "ElasticRun": "ckptd.elastic.run",
     "exit_now": "ckptd.elastic.run",
-    "resume": "ckptd.elastic.run",
+    "resume": "ckptd.elastic.incarnation",
 }
 
 __all__ = [
@@ -89,8 +90,9 @@ if TYPE_CHECKING:
         TrainingMeta,
         scale_up_wait_s,
     )
+    from ckptd.elastic.incarnation import resume
     from ckptd.elastic.memory import MemoryEstimate, estimate_memory
-    from ckptd.elastic.run import ElasticRun, exit_now, resume
+    from ckptd.elastic.run import ElasticRun, exit_now
     from ckptd.elastic.search import NoFeasiblePlan, Plan, replan
     from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec
     from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown

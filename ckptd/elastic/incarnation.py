@@ -1,0 +1,130 @@
+"""Starting an incarnation of an elastic run: :func:`resume` (every rank, after
+``torch.distributed``) reads the new world, finds the latest committed checkpoint, re-plans the
+batch settings from its training metadata, appends a history entry and returns the
+:class:`~ckptd.elastic.run.ElasticRun` that trains, saves and handles the preemption
+(``ckptd/elastic/run.py`` describes the flow; ``docs/elastic.md`` is the guide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptd import checkpointer
+from ckptd.agent import handoff
+from ckptd.checkpointer import Checkpointer
+from ckptd.elastic import preemption
+from ckptd.elastic.events import EventLog
+from ckptd.elastic.history import ElasticPolicy, HistoryEntry, TrainingMeta, torchrun_world
+from ckptd.elastic.run import ElasticRun
+from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec, replan
+from ckptd.world import dist_or_none
+
+log = logging.getLogger("ckptd.elastic")
+
+
+def _from_rank0(value: Any) -> Any:
+    dist = dist_or_none()
+    if dist is None or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resume(
+    ckpt: Checkpointer | None = None,
+    *,
+    reference: TrainingSpec,
+    model: ModelSpec | None = None,
+    policy: ElasticPolicy | None = None,
+    world_size: int | None = None,
+    dp_rank: int | None = None,
+    grace_s: float = 30.0,
+    events: str | None = None,
+    on_sigterm: Callable[[], object] | None = None,
+) -> ElasticRun:
+    """Start this incarnation of an elastic run (every rank, after ``torch.distributed``).
+
+    ``reference`` is the configured setting: a fresh start uses it on its own world size and
+    re-plans it on another; a restart re-plans from the reference stored in the checkpoint (so
+    the global batch stays within ``policy.tolerance`` of it over any number of restarts), but
+    keeps the previous settings when the world size did not change (bit-identical resume).
+    ``model`` defaults to the checkpoint's; ``world_size`` / ``dp_rank`` are the data-parallel
+    size and rank (default: the checkpointer's). Installs :func:`ckptd.on_preemption` with
+    ``grace_s``; on SIGTERM a ``sigterm`` event is logged, then ``on_sigterm`` runs (keep it
+    async-signal-light). ``events``: a local JSONL file for this run's events.
+    """
+    if ckpt is None:
+        ckpt = checkpointer.default()
+    policy = policy or ElasticPolicy()
+    world = ckpt.world_size if world_size is None else world_size
+    rank = ckpt.rank if dp_rank is None else dp_rank
+    emitter = EventLog(events, ckpt.rank)
+
+    def latest() -> tuple[float, int | None, dict[str, Any], list[str]]:
+        step = ckpt.latest_step()
+        if step is None:
+            return time.time(), None, {}, []
+        m = ckpt.read_manifest(step)
+        # the nodes whose agents wrote shares of it that another node's agent handed over
+        writers = sorted({str(r.get("to"))
+                          for r in handoff.read_records(ckpt.storage, step, m.attempt)})
+        return time.time(), step, dict(m.training), writers
+
+    # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
+    now, step, training, writers = _from_rank0(latest() if ckpt.rank == 0 else None)
+    if step is None:
+        spec = reference if world == reference.world_size else _replan(
+            model, reference, world, policy)
+        entry = HistoryEntry.of(spec, step=0, time=now, reason="start", reference=reference,
+                                consumed_samples=0)
+        meta = TrainingMeta(spec=spec, reference=reference, model=model, policy=policy,
+                            consumed_samples=0, history=(entry,))
+        resumed, step = False, 0
+    else:
+        prev = TrainingMeta.from_json(training, f"{ckpt.url} step {step}")
+        if reference != prev.reference:
+            log.warning("ckptd: the checkpoint's reference settings %s differ from the given "
+                        "%s; keeping the checkpoint's", prev.reference, reference)
+        model = model or prev.model
+        if world == prev.spec.world_size:
+            spec = prev.spec
+        elif world == prev.reference.world_size:
+            spec = prev.reference
+        else:
+            spec = _replan(model, prev.reference, world, policy)
+        reason = ("restart" if world == prev.spec.world_size
+                  else "scale-up" if world > prev.spec.world_size else "scale-down")
+        entry = HistoryEntry.of(spec, step=step, time=now, reason=reason,
+                                reference=prev.reference, consumed_samples=prev.consumed_samples)
+        if writers or prev.preempted_at is not None:
+            entry = dataclasses.replace(entry, safe_via=f"peer {', '.join(writers)}" if writers
+                                        else "storage")
+        meta = dataclasses.replace(prev, spec=spec, model=model, policy=policy,
+                                   history=prev.history + (entry,))
+        resumed = True
+    run = ElasticRun(ckpt, meta, step=step, resumed=resumed, dp_rank=rank, events=emitter,
+                     on_sigterm=on_sigterm)
+    preemption.on_preemption(run._on_sigterm, grace_s=grace_s)
+    env = torchrun_world()
+    emitter.emit("resume", step=step, reason=entry.reason, world=world,
+                 training=spec.to_json(), consumed=meta.consumed_samples,
+                 deviation=entry.deviation, preempted_at=meta.preempted_at, nodes=env.nodes,
+                 restart_count=env.restart_count, pid=os.getpid())
+    log.info("ckptd: %s at step %d on %d data-parallel ranks: micro-batch %d x accumulation %d"
+             " = global batch %d (%+.2f%%), ZeRO-%d", entry.reason, step, world,
+             spec.micro_batch_size, spec.gradient_accumulation_steps, spec.global_batch_size,
+             entry.deviation * 100, spec.zero_stage)
+    return run
+
+
+def _replan(model: ModelSpec | None, reference: TrainingSpec, world: int,
+            policy: ElasticPolicy) -> TrainingSpec:
+    if model is None:
+        raise InvalidSpec(f"re-planning for world size {world} needs a ModelSpec (pass model=)")
+    return replan(model, reference, world, **policy.replan_kwargs()).training
