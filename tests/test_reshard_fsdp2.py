@@ -19,6 +19,7 @@ from ckptd.reshard import waves
 from ckptd.reshard.infer import infer_layout
 from ckptd.reshard.targets import Target
 from ckptd.storage import LocalStorage
+from ckptd.writer.pipeline import runs_within
 
 W, H, LAYERS, VOCAB = 4, 64, 2, 200
 
@@ -131,10 +132,9 @@ def test_a_layout_that_replicates_writes_each_byte_about_once(tmp_path, capsys, 
 
 
 def test_target_ranks_are_grouped_in_waves_of_consecutive_ranks_under_the_bound() -> None:
-    # a rank above rank_max is alone (read straight into its arena); the others fill waves
-    assert waves.group([10, 10, 100, 10, 10, 10], rank_max=50, wave_max=25) == [
-        [0, 1], [2], [3, 4], [5]]
-    assert waves.group([], rank_max=1, wave_max=1) == []
+    # a rank above the bound is alone (read straight into its arena); the others fill waves
+    assert runs_within([10, 10, 100, 10, 10, 10], 25) == [[0, 1], [2], [3, 4], [5]]
+    assert runs_within([], 1) == []
 
 
 def test_a_wave_reads_the_hull_of_adjacent_slices_and_the_boxes_of_scattered_ones() -> None:

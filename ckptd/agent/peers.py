@@ -373,16 +373,17 @@ class Replicator:
         socket operation, and all of it before the monotonic ``deadline`` if given): True once
         it holds them, False if it refused them (no room, or stopping)."""
 
-        def bound(s: socket.socket) -> None:
+        def timeout() -> float:
             left = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"node {peer['node']}: out of time")
-            s.settimeout(left)
+            return left
 
-        connect = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
-        if connect <= 0:
-            raise TimeoutError(f"node {peer['node']}: out of time")
-        with socket.create_connection((peer["host"], int(peer["port"])), timeout=connect) as s:
+        def bound(s: socket.socket) -> None:
+            s.settimeout(timeout())
+
+        with socket.create_connection((peer["host"], int(peer["port"])),
+                                      timeout=timeout()) as s:
             bound(s)
             _answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
             wire.send(s, header)

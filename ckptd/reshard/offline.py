@@ -57,7 +57,7 @@ from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.storage.base import extended
 from ckptd.writer import commit
-from ckptd.writer.pipeline import RankWriter, Share, plan_rounds
+from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, runs_within
 from ckptd.writer.staging import StagingPool
 
 
@@ -177,10 +177,9 @@ class Resharder:
         self.workers = max(1, min(self.threads, len(self.plans)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
         self.src_dir = layout.step_dir(self.step)
-        # ranks small enough are read in waves; at most two waves' regions are held at a time
-        # (one being written, the next read), beside the workers' arenas
-        self.waves = waves.group([p.write_bytes for p in self.plans], self.arena_budget,
-                                 max(1, self.budget // 16))
+        # consecutive ranks are read in waves of budget / 16 (a larger rank is a wave of its
+        # own); at most two waves' regions are held at a time (one being written, the next read)
+        self.waves = runs_within([p.write_bytes for p in self.plans], max(1, self.budget // 16))
 
     # ---------------------------------------------------------------- dry run
     def dry_run(self) -> list[RankReport]:
@@ -248,16 +247,17 @@ class Resharder:
                 ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
             local = threading.local()
 
-            def one(p: RankPlan) -> None:
+            def writer() -> RankWriter:  # one per worker thread
                 if not hasattr(local, "writer"):
                     local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
+                return local.writer  # type: ignore[no-any-return]
+
+            def one(p: RankPlan) -> None:
                 partials[p.rank], reports[p.rank] = self._write_rank(
-                    p, local.writer, attempt, io, read_budget, files)
+                    p, writer(), attempt, io, read_budget, files)
 
             def wave_rank(p: RankPlan, regions: waves.Regions, rep: RankReport) -> None:
-                if not hasattr(local, "writer"):
-                    local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
-                partials[p.rank] = self._write_from(p, local.writer, attempt, regions, rep)
+                partials[p.rank] = self._write_from(p, writer(), attempt, regions, rep)
                 reports[p.rank] = rep
 
             futures: list[list[Future[None]]] = []

@@ -10,8 +10,10 @@ larger than the boxes together, which is the case for slices of a split dimensio
 distinct box), and each rank's pieces are views of those regions, staged into its arena by the
 writer like any save. The cost per wave is one plan over ~one piece per tensor.
 
-A rank whose pieces are larger than the bound is a wave of its own: it is read straight into its
-arena, round by round (no extra copy), which is what matters when each rank has gigabytes.
+Waves are consecutive ranks under the bound (``writer.pipeline.runs_within``, as a save's
+rounds). A rank whose pieces are larger than the bound is a wave of its own: it is read straight
+into its arena, round by round (no extra copy), which is what matters when each rank has
+gigabytes.
 """
 
 from __future__ import annotations
@@ -24,29 +26,6 @@ import torch
 from ckptd.regions import Box
 from ckptd.reshard.targets import Target
 from ckptd.sharding import Piece
-
-
-def group(write_bytes: Sequence[int], rank_max: int, wave_max: int) -> list[list[int]]:
-    """Consecutive ranks (indices into ``write_bytes``) in waves of at most ``wave_max`` bytes;
-    a rank above ``rank_max`` bytes is always alone."""
-    waves: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for r, n in enumerate(write_bytes):
-        if n > rank_max:
-            if current:
-                waves.append(current)
-                current, size = [], 0
-            waves.append([r])
-            continue
-        if current and size + n > wave_max:
-            waves.append(current)
-            current, size = [], 0
-        current.append(r)
-        size += n
-    if current:
-        waves.append(current)
-    return waves
 
 
 @dataclass
@@ -107,6 +86,6 @@ class Regions:
             view = buf
             for d, (o, n, a, m) in enumerate(zip(t.box.offsets, t.box.sizes, box.offsets,
                                                  box.sizes, strict=True)):
-                if n != m:  # narrow: a third of the time of indexing by a tuple of slices
+                if n != m:  # narrow per cut dimension: cheaper than indexing by slices
                     view = view.narrow(d, o - a, n)
         return Piece(t.name, t.shape, t.dtype, t.box, view)

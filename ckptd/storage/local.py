@@ -68,8 +68,8 @@ class LocalStorage(StorageBase):
         self.direct = direct
         self._defer = False  # inside deferred_durability(): no fsync per write
         # inside deferred_durability(): the directories walked so far, kept open (a writer of
-        # thousands of files in a few directories walks each once; every component of a walk
-        # is an open, ~0.2 ms on a busy ext4 and more on a parallel filesystem)
+        # thousands of files in a few directories walks each once; a walk is one open per
+        # path component, four or five per file, each a metadata operation)
         self._dirs: dict[tuple[str, ...], int] | None = None
         self._dirs_lock = threading.Lock()
 

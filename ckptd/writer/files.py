@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
-import xxhash
 
 from ckptd import config
 from ckptd.manifest import Chunk, FrameTable, codecs
@@ -55,17 +54,16 @@ def write_file(
         # writes tens of thousands of one-frame chunks).
         pairs: list[int] = []
         cuts = [0]
-        sizes = []
-        checksum = xxhash.xxh3_64_intdigest
+        frame_sizes = []
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
             fb = frame_size(s.nbytes, s.piece.view.element_size(), frame_bytes)
-            for i in range(0, s.nbytes, fb):
-                f = raw[i : i + fb]
-                pairs += (len(f), checksum(f))
+            for f in _frames_of(raw, fb):
+                pairs += (len(f), codecs.checksum_int(f))
             cuts.append(len(pairs) // 2)
-            sizes.append(fb)
-        for s, fb, frames in zip(plan.slots, sizes, FrameTable.split(pairs, cuts), strict=True):
+            frame_sizes.append(fb)
+        tables = FrameTable.split(pairs, cuts)
+        for s, fb, frames in zip(plan.slots, frame_sizes, tables, strict=True):
             chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, s.offset - plan.start,
                                                 s.nbytes, codec, fb, frames, rank)))
         storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]])

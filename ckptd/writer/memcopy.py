@@ -93,7 +93,7 @@ def copy_all(copies: list[Copy], threads: int | None = None) -> None:
             ctypes.memmove(dst, src, n)
         return
     segments = _Segments(copies)
-    helpers = min(k, len(segments.todo), -(-total // SEGMENT)) - 1
+    helpers = min(k, -(-total // SEGMENT)) - 1  # no more threads than segments' worth
     if helpers > 0:
         pool = _helpers(k - 1)
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,19 +103,25 @@ def plan_rounds(pieces: list[Piece], threads: int, budget: int | None, *,
     # leave room for alignment padding inside a round
     room = max(cfg.file_alignment, budget - files * cfg.file_alignment - 64 * len(pieces))
     parts = [q for p in pieces for q in split_rows(p, room)]
-    rounds: list[list[Piece]] = []
-    current: list[Piece] = []
-    size = 0
-    for p in parts:
-        n = p.view.numel() * p.view.element_size()
-        if current and size + n > room:
-            rounds.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += n
+    sizes = [p.view.numel() * p.view.element_size() for p in parts]
+    return [packed([parts[i] for i in run]) for run in runs_within(sizes, room)]
+
+
+def runs_within(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in runs of at most ``limit`` in total; an item above
+    ``limit`` is a run of its own."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if current and total + n > limit:
+            runs.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
     if current:
-        rounds.append(current)
-    return [packed(group) for group in rounds]
+        runs.append(current)
+    return runs
 
 
 def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
@@ -306,6 +312,7 @@ __all__ = [
     "Round",
     "RankWriter",
     "plan_rounds",
+    "runs_within",
     "stage",
     "split_rows",
     "stored_bytes",
