@@ -22,12 +22,14 @@ import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from ckptd.errors import StateMismatch
+from ckptd.hostarray import HostArray
 from ckptd.regions import Box, flat_to_boxes
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
@@ -104,11 +106,19 @@ class Piece:
 
     name: str
     global_shape: Shape
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # a format dtype name with a HostArray view (ckptd.hostarray)
     box: Box
-    view: torch.Tensor
+    view: torch.Tensor | HostArray
     replica: int = 0
     replicas: int = 1
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``view`` as a tensor: every piece of a save or a load (the offline reshard's are
+        HostArrays, and never reach code that asks for this)."""
+        if isinstance(self.view, HostArray):
+            raise TypeError(f"{self.name}: a HostArray piece where a tensor is needed")
+        return self.view
 
     def writer_copy(self) -> int:
         """Which copy among identical ones writes this piece: a stable hash spreads the work."""
@@ -180,6 +190,8 @@ def walk(
 
 def describe(state: Any, rank: int, world_size: int) -> Described:
     """Turn a state tree into pieces, JSON values and per-rank values."""
+    import torch
+
     out = Described()
     for path, leaf, container, key in walk(state):
         parent = path.rpartition("/")[0]

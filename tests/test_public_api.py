@@ -74,7 +74,8 @@ def test_import_ckptd_imports_no_torch_until_used():
     import sys
 
     code = ("import sys, ckptd, ckptd.cli; assert 'torch' not in sys.modules, 'torch'; "
-            "ckptd.Shard; assert 'torch' in sys.modules")
+            "ckptd.Shard; assert 'torch' not in sys.modules, 'Shard is a plain description'; "
+            "ckptd.Checkpointer; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

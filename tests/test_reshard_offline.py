@@ -216,8 +216,9 @@ def test_a_reshard_of_an_elastic_run_is_resumed_as_a_restart_and_shown_in_histor
 
 
 def test_offline_reshard_holds_its_memory_budget(tmp_path: Path) -> None:
-    """4 MiB of tensors, a 1 MiB budget: the Python heap (read buffers, decoded frames) stays
-    within the budget; arenas are torch memory, bounded by construction (budget / 2)."""
+    """4 MiB of tensors, a 1 MiB budget: everything the reshard allocates — arenas (numpy, so
+    traced), read buffers, decoded frames, and its plans and manifests (~1 MiB here) — stays
+    under twice the budget: the data it holds does not grow with the checkpoint."""
     root, dest = str(tmp_path / "src"), str(tmp_path / "dst")
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1024, 512, generator=g), "v": torch.randn(512, 512, generator=g)}
@@ -233,7 +234,7 @@ def test_offline_reshard_holds_its_memory_budget(tmp_path: Path) -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < budget + (256 << 10), f"peak traced memory {peak} with a budget of {budget}"
+    assert peak < 2 * budget, f"peak traced memory {peak} with a budget of {budget}"
     with ckptd.Checkpointer(dest, world_size=1, rank=0) as ck:
         dst = {k: torch.zeros_like(v) for k, v in state.items()}
         ck.load(dst)

@@ -274,7 +274,7 @@ def _copy(copies: list[_Placement], data: dict[Item, torch.Tensor]) -> None:
     for c in copies:
         src = data.get(c.chunk.item)
         if src is not None:
-            copy_region(c.region, src, c.chunk.box, c.piece.view, c.piece.box)
+            copy_region(c.region, src, c.chunk.box, c.piece.tensor, c.piece.box)
 
 
 def _remote(rank: int, kind: str, message: str) -> CkptdError:

@@ -3,8 +3,9 @@ strict JSON: ``envelope``), frame tables (``frames``), frame codecs and checksum
 merging rank partials and the coverage check (``merge``), where things live under a root
 (``layout``) and the step catalog (``catalog``).
 
-Names are imported on first use: the catalog and the envelope need no torch, so ``ckptd ls``
-starts without importing it.
+Nothing here imports torch (dtypes are kept by name, ``ckptd.dtypes``; a ``TensorEntry``'s
+``dtype`` imports it when asked for). Names are imported on first use, so ``ckptd ls`` reads the
+catalog without decoding a manifest.
 """
 
 from __future__ import annotations

@@ -44,12 +44,12 @@ def merge(partials: Sequence[Manifest]) -> Manifest:
         for name, entry in p.tensors.items():
             known = tensors.get(name)
             if known is None:
-                tensors[name] = TensorEntry(entry.dtype, entry.shape)
+                tensors[name] = TensorEntry(entry.dtype_name, entry.shape)
                 chunks[name], seen[name] = [], set()
-            elif (known.dtype, known.shape) != (entry.dtype, entry.shape):
+            elif (known.dtype_name, known.shape) != (entry.dtype_name, entry.shape):
                 raise StateMismatch(
-                    f"{name}: rank {p.rank} saves dtype {entry.dtype} shape {entry.shape}, an "
-                    f"earlier rank {known.dtype} shape {known.shape}"
+                    f"{name}: rank {p.rank} saves dtype {entry.dtype_name} shape {entry.shape}, an "
+                    f"earlier rank {known.dtype_name} shape {known.shape}"
                 )
             for c in entry.chunks:
                 if c.box not in seen[name]:
@@ -70,7 +70,7 @@ def merge(partials: Sequence[Manifest]) -> Manifest:
                 f"shape {list(entry.shape)} are saved by no rank (check the leaves' offsets and "
                 "replica/replicas)"
             )
-        tensors[name] = TensorEntry(entry.dtype, entry.shape, tuple(chunks[name]))
+        tensors[name] = TensorEntry(entry.dtype_name, entry.shape, tuple(chunks[name]))
     locals_: dict[str, dict[str, object]] = {}
     for p in partials:
         locals_.update(p.locals)

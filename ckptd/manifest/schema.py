@@ -18,10 +18,9 @@ import math
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.manifest.envelope import (
@@ -30,50 +29,34 @@ from ckptd.manifest.envelope import (
     TENSORS_KEY,
     VERSION,
     parse_json,
-    seal,
+    seal_in_place,
     split_doc,
     tail_field,
+    unsealed_start,
 )
 from ckptd.manifest.frames import FrameRef, FrameSource, FrameTable, check_sizes
 from ckptd.regions import Box
+
+if TYPE_CHECKING:
+    import torch
 
 TensorDoc = tuple[str, str, list[int], list[dict[str, Any]]]  # name, dtype, shape, chunks
 
 CHECKSUM = "xxh3_64"
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported by the ckptd format")
-    return name
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return dtypes.name_of(dtype)
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}") from None
+    """The torch dtype of a name in a manifest (CorruptCheckpoint naming ``where`` if none)."""
+    return dtypes.torch_dtype(_checked_name(name, where))
+
+
+def _checked_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or name not in dtypes.ITEMSIZE:
+        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -125,16 +108,26 @@ class Chunk:
 
 class TensorEntry:
     """A logical tensor: dtype, global shape and its chunks. The chunks of an entry decoded from
-    a manifest of format 3 are parsed on first use, so a load pays only for what it asks for."""
+    a manifest of format 3 are parsed on first use, so a load pays only for what it asks for.
+    The dtype is kept by name (``dtype_name``, ``itemsize``): ``dtype``, the torch dtype, is the
+    only thing here that imports torch."""
 
-    __slots__ = ("dtype", "shape", "_chunks", "_decode")
+    __slots__ = ("dtype_name", "shape", "_chunks", "_decode")
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...],
+    def __init__(self, dtype: torch.dtype | str, shape: tuple[int, ...],
                  chunks: tuple[Chunk, ...] = (), *,
                  decode: Callable[[], tuple[Chunk, ...]] | None = None) -> None:
-        self.dtype, self.shape = dtype, tuple(shape)
+        self.dtype_name, self.shape = dtypes.name_of(dtype), tuple(shape)
         self._chunks: tuple[Chunk, ...] | None = None if decode is not None else tuple(chunks)
         self._decode = decode
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtypes.torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.ITEMSIZE[self.dtype_name]
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -144,14 +137,14 @@ class TensorEntry:
         return self._chunks
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, TensorEntry) and (self.dtype, self.shape, self.chunks)
-                == (other.dtype, other.shape, other.chunks))
+        return (isinstance(other, TensorEntry) and (self.dtype_name, self.shape, self.chunks)
+                == (other.dtype_name, other.shape, other.chunks))
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         chunks = "?" if self._chunks is None else str(len(self._chunks))
-        return f"TensorEntry({self.dtype}, {list(self.shape)}, {chunks} chunks)"
+        return f"TensorEntry({self.dtype_name}, {list(self.shape)}, {chunks} chunks)"
 
 
 @dataclass(frozen=True)
@@ -216,7 +209,7 @@ class Manifest:
 
     def _tensor_docs(self, tables: dict[str, int]) -> Iterator[TensorDoc]:
         for k, v in sorted(self.tensors.items()):
-            yield k, dtype_name(v.dtype), list(v.shape), [c.to_json(tables) for c in v.chunks]
+            yield k, v.dtype_name, list(v.shape), [c.to_json(tables) for c in v.chunks]
 
     def _head(self, tables: dict[str, int]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -277,11 +270,22 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
         texts.append(key + body)
         pos += len(key) + len(body)
         nbytes += sum(int(c["length"]) for c in chunks)
-    tail = TENSORS_KEY + b"{" + b",".join(texts) + b"}}"
     head["nbytes"] = nbytes
     head["index"] = index
     head_json = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
-    return seal(tail_field(len(tail)) + head_json[1:-1] + tail)
+    # seal(tail_field + head + tail) built in one buffer: each tensor's text is freed as it is
+    # appended (the manifest of a 1024-rank reshard is ~10 MB; copies of it were ~50 MB)
+    out = unsealed_start()
+    out += tail_field(len(TENSORS_KEY) + pos + 2)[1:]  # tail: TENSORS_KEY{<texts>}}
+    out += head_json[1:-1]
+    out += TENSORS_KEY + b"{"
+    texts.reverse()
+    while texts:
+        out += texts.pop()
+        if texts:
+            out += b","
+    out += b"}}"
+    return bytes(seal_in_place(out))
 
 
 def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
@@ -410,14 +414,14 @@ def _safe_relpath(path: Any, where: str, tensor: str) -> str:
 
 
 def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
-              ) -> tuple[torch.dtype, tuple[int, ...], int]:
+              ) -> tuple[str, tuple[int, ...], int]:
     if not isinstance(name, str) or not name or "\0" in name:
         raise CorruptCheckpoint(f"{where}: tensor name {name!r} is not valid")
     if not isinstance(shape_l, list):
         raise ValueError(f"{name}: shape {shape_l!r} is not a list")
-    dtype = dtype_from_name(dtype_s, f"{where}: {name}")
+    dtype = _checked_name(dtype_s, f"{where}: {name}")
     shape = tuple(_int(s) for s in shape_l)
-    itemsize = dtype.itemsize
+    itemsize = dtypes.ITEMSIZE[dtype]
     if math.prod(shape) * itemsize > MAX_INT:
         raise CorruptCheckpoint(f"{where}: {name}: shape {list(shape)} is impossibly large")
     return dtype, shape, itemsize

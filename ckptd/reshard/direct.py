@@ -18,10 +18,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from ckptd.errors import CorruptCheckpoint
+from ckptd.hostarray import flat_bytes
 from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.reshard.plan import Copy, Range, plan_load, row_major_strides
@@ -31,13 +31,14 @@ from ckptd.sharding import Piece
 
 @dataclass(eq=False)
 class DirectRead:
-    """Frames ``[frame_lo, frame_hi)`` of a raw chunk, read into ``dest`` (uint8, contiguous)."""
+    """Frames ``[frame_lo, frame_hi)`` of a raw chunk, read into ``dest`` (uint8, contiguous; a
+    tensor or a HostArray)."""
 
     tensor: str
     chunk: Chunk
     frame_lo: int
     frame_hi: int
-    dest: torch.Tensor
+    dest: Any
 
     @property
     def start(self) -> int:
@@ -100,7 +101,7 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
     f1 = chunk.n_frames if hi * isz == chunk.length else hi * isz // fb
     if f0 >= f1:
         return None
-    flat = dst.detach().reshape(-1).view(torch.uint8)
+    flat = flat_bytes(dst)
     reads = []
     per = max(1, unit_bytes // fb)
     for a in range(f0, f1, per):

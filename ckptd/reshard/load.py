@@ -27,8 +27,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
@@ -125,6 +123,7 @@ def _union_of_asks(saved: list[str], asked: set[str], failed: bool,
     mine = [n in asked for n in saved]
     if dist is None or dist.get_world_size() == 1:
         return mine, failed, 1
+    import torch
 
     mask = torch.tensor([*mine, failed], dtype=torch.uint8)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX)

@@ -41,12 +41,11 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.errors import CkptdError
+from ckptd.hostarray import HostArray
 from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout, merge
 from ckptd.regions import Box
 from ckptd.reshard import direct, waves
@@ -59,6 +58,9 @@ from ckptd.storage.base import extended
 from ckptd.writer import commit
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, runs_within
 from ckptd.writer.staging import StagingPool
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -137,8 +139,7 @@ def split_writers(assignment: Assignment, replicate_small: int,
 
 
 def meta_pieces(targets: list[Target]) -> list[Piece]:
-    return [Piece(t.name, t.shape, t.dtype, t.box, torch.empty(t.box.sizes, dtype=t.dtype,
-                                                               device="meta"))
+    return [Piece(t.name, t.shape, t.dtype, t.box, HostArray.meta(t.box.sizes, t.dtype))
             for t in targets]
 
 
@@ -171,7 +172,7 @@ class Resharder:
         m = self.manifest
         loaded = iter(m.with_frames([(n, c) for n, e in m.tensors.items() for c in e.chunks]))
         self.manifest = dataclasses.replace(m, tensors={
-            n: TensorEntry(e.dtype, e.shape, tuple(next(loaded) for _ in e.chunks))
+            n: TensorEntry(e.dtype_name, e.shape, tuple(next(loaded) for _ in e.chunks))
             for n, e in m.tensors.items()})
         self.plans = split_writers(self.assignment, self.replicate_small)
         self.workers = max(1, min(self.threads, len(self.plans)))
@@ -198,7 +199,7 @@ class Resharder:
                     reps[0].ranges += read.ranges
                     reps[0].peak_bytes = max(reps[0].peak_bytes, rnd.nbytes + peak)
             else:
-                regions = waves.Regions.of([t for p in plans for t in p.writes], "meta")
+                regions = waves.Regions.of([t for p in plans for t in p.writes], meta=True)
                 read = ReadStats()
                 peak = self._dry_read(regions.pieces(), reads, read)
                 _share_reads(reps, read, regions.nbytes + peak)
@@ -249,7 +250,8 @@ class Resharder:
 
             def writer() -> RankWriter:  # one per worker thread
                 if not hasattr(local, "writer"):
-                    local.writer = RankWriter(dest, io, StagingPool(1, pin=False), codec, level)
+                    local.writer = RankWriter(
+                        dest, io, StagingPool(1, pin=False, allocate=HostArray.bytes), codec, level)
                 return local.writer  # type: ignore[no-any-return]
 
             def one(p: RankPlan) -> None:
@@ -295,7 +297,7 @@ class Resharder:
         for p in written:  # keep every rank's copy (merge keeps one): one pass over the partials
             for name, entry in p.tensors.items():
                 every[name] += entry.chunks
-        tensors = {name: TensorEntry(e.dtype, e.shape, tuple(every[name]))
+        tensors = {name: TensorEntry(e.dtype_name, e.shape, tuple(every[name]))
                    for name, e in merged.tensors.items()}
         m = self.manifest
         out = Manifest(m.step, attempt, len(self.plans), time.time(), tensors, dict(m.values),
@@ -306,7 +308,8 @@ class Resharder:
     def _share(self, p: RankPlan, attempt: str) -> Share:
         declared = {t.name: TensorEntry(t.dtype, t.shape) for t in p.holds}
         if p.rank == 0:  # every tensor declared somewhere, even one with no elements
-            declared = {n: TensorEntry(e.dtype, e.shape) for n, e in self.manifest.tensors.items()}
+            declared = {n: TensorEntry(e.dtype_name, e.shape)
+                        for n, e in self.manifest.tensors.items()}
         return Share(self.step, attempt, p.rank, len(self.plans), declared,
                      values=dict(self.manifest.values) if p.rank == 0 else {})
 
@@ -332,7 +335,8 @@ class Resharder:
             arena = writer.pool.acquire(rnd.nbytes)
             try:
                 before = read_budget.peak
-                stats = self._read(_slot_pieces(rnd.plans, arena.buffer), files, io, read_budget)
+                stats = self._read(_slot_pieces(rnd.plans, arena.buffer), files, io,
+                                   read_budget)
                 rep.read_bytes += stats.stored_bytes
                 rep.ranges += stats.ranges
                 rep.peak_bytes = max(rep.peak_bytes, rnd.nbytes + max(before, read_budget.peak))
@@ -375,7 +379,8 @@ def _share_reads(reps: list[RankReport], read: ReadStats, peak: int) -> None:
         r.peak_bytes = peak
 
 
-def _slot_pieces(plans: list[Any], arena: torch.Tensor | None = None) -> list[Piece]:
+def _slot_pieces(plans: list[Any], arena: HostArray | torch.Tensor | None = None,
+                 ) -> list[Piece]:
     """The pieces of a round's file plans, viewing the arena at their slots (meta without one)."""
     out = []
     for fp in plans:

@@ -26,13 +26,17 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from ckptd import dtypes
 from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.sharding import Piece
+
+if TYPE_CHECKING:
+    import torch
 
 # Above this many separate runs a region's frames are taken as its whole span (planning cost
 # stays bounded; only pathological shapes get there, and then the span is nearly dense).
@@ -130,8 +134,8 @@ class LoadPlan:
                 "largest_range": max((rg.length for rg in self.ranges), default=0)}
 
 
-def itemsize_of(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+def itemsize_of(dtype: torch.dtype | str) -> int:
+    return dtypes.itemsize(dtype)
 
 
 def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -271,8 +275,8 @@ def plan_load(manifest: Manifest, pieces: Sequence[Piece], *, rank: int | None =
     for (name, _ci), chunk in zip(keys, chunks, strict=True):
         items = needs[(name, _ci)]
         entry = manifest.tensors[name]
-        reads += _chunk_reads(name, chunk, itemsize_of(entry.dtype), items, unit_bytes)
-        plan.needed_bytes += sum(inter.numel for _, inter in items) * itemsize_of(entry.dtype)
+        reads += _chunk_reads(name, chunk, entry.itemsize, items, unit_bytes)
+        plan.needed_bytes += sum(inter.numel for _, inter in items) * entry.itemsize
     plan.ranges = coalesce(reads, gap_bytes, unit_bytes)
     return plan
 
@@ -332,8 +336,9 @@ def _natural(s: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def source_view(copy: Copy, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A view of ``copy.region`` inside the read's decoded bytes ``raw`` (uint8; no copy)."""
+def source_view(copy: Copy, raw: Any, dtype: torch.dtype | str) -> Any:
+    """A view of ``copy.region`` inside the read's decoded bytes ``raw`` (uint8, a tensor or a
+    :class:`~ckptd.hostarray.HostArray` like the destination; no copy)."""
     n = copy.box.numel * copy.itemsize
     start = copy.offset * copy.itemsize
     block = raw[start : start + n]

@@ -16,14 +16,15 @@ holds verified data), in batches of at most ``unit_bytes`` counted against the l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.reshard.reader import Buffers
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 Key = tuple[str, tuple[int, ...], tuple[int, ...]]
 
@@ -71,6 +72,7 @@ class Sharing:
 
     def broadcast(self, buffers: Buffers) -> int:
         """Send owned pieces, receive the others; returns the bytes this rank sent or used."""
+        import torch
         import torch.distributed as dist
 
         moved = 0
@@ -98,14 +100,14 @@ class Sharing:
         off = 0
         for it in items:
             p = self.pieces[it.key][0]
-            buf[off : off + it.nbytes].view(p.dtype).view(p.box.sizes).copy_(p.view)
+            buf[off : off + it.nbytes].view(p.tensor.dtype).view(p.box.sizes).copy_(p.tensor)
             off += it.nbytes
 
     def _unpack(self, buf: torch.Tensor, items: list[Item]) -> int:
         off = used = 0
         for it in items:
             for p in self.pieces.get(it.key, []):
-                p.view.copy_(buf[off : off + it.nbytes].view(p.dtype).view(p.box.sizes))
+                p.tensor.copy_(buf[off : off + it.nbytes].view(p.tensor.dtype).view(p.box.sizes))
                 used += it.nbytes
             off += it.nbytes
         return used

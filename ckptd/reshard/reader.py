@@ -22,15 +22,18 @@ import warnings
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
+from ckptd.hostarray import HostArray
 from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
 from ckptd.storage.base import BlockCache, ReadSession, extended
+
+if TYPE_CHECKING:
+    import torch
 
 Buf = bytearray | bytes | memoryview
 
@@ -130,21 +133,36 @@ class ReadStats:
         self.frames += other.frames
 
 
-Data = dict[Read, torch.Tensor]  # decoded bytes (uint8) of each read of a range
+Data = dict[Read, memoryview]  # decoded bytes of each read of a range
 
 
 def copy_range(rng: Range, data: Data) -> None:
-    """Copy every region of ``rng`` into its destination (thread-safe: regions are disjoint)."""
+    """Copy every region of ``rng`` into its destination (thread-safe: regions are disjoint).
+    The destinations of a plan are all tensors, or all HostArrays (the offline reshard)."""
+    first = next((c for r in rng.reads for c in r.copies), None)
+    if first is None:
+        return
+    if isinstance(first.piece.view, HostArray):
+        _copy_range(rng, data, HostArray.over)
+        return
+    import torch
+
     with torch.no_grad():
-        for read in rng.reads:
-            raw = data[read]
-            for c in read.copies:
-                src = source_view(c, raw, c.piece.dtype)
-                c.piece.view[c.region.within(c.piece.box)].copy_(src)
+        _copy_range(rng, data, as_uint8)
+
+
+def _copy_range(rng: Range, data: Data, over: Callable[[memoryview], Any]) -> None:
+    for read in rng.reads:
+        raw = over(data[read])
+        for c in read.copies:
+            src = source_view(c, raw, c.piece.dtype)
+            c.piece.view[c.region.within(c.piece.box)].copy_(src)
 
 
 def as_uint8(buf: Buf) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without copying (read-only buffers are only ever read)."""
+    import torch
+
     if len(buf) == 0:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():
@@ -153,7 +171,7 @@ def as_uint8(buf: Buf) -> torch.Tensor:
 
 
 def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | None = None,
-                ) -> torch.Tensor:
+                ) -> memoryview:
     """Verify every frame of ``read`` in ``stored`` (its stored bytes) and return the raw bytes:
     a view of ``stored`` for raw chunks, ``out`` (``raw_length`` bytes or more) decoded for
     compressed ones."""
@@ -185,8 +203,8 @@ def decode_read(read: Read, stored: memoryview, where: str, out: bytearray | Non
             raw_pos += raw_len
             del raw
     if out is not None:
-        return as_uint8(out)[: read.raw_length]
-    return as_uint8(stored)
+        return memoryview(out)[: read.raw_length]
+    return stored
 
 
 class StepFiles:

@@ -18,8 +18,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-import torch
-
+from ckptd import dtypes
 from ckptd.manifest import Manifest
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.reshard.layout_file import LayoutError, LayoutSpec, Rule, ZeroGroup
@@ -28,16 +27,17 @@ from ckptd.sharding import LOCAL_PREFIX
 
 @dataclass(frozen=True)
 class Target:
-    """``box`` of logical tensor ``name`` (global ``shape``, ``dtype``), held by one rank."""
+    """``box`` of logical tensor ``name`` (global ``shape``, ``dtype`` by its format name), held
+    by one rank."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
     box: Box
 
     @property
     def nbytes(self) -> int:
-        return self.box.numel * self.dtype.itemsize
+        return self.box.numel * dtypes.ITEMSIZE[self.dtype]
 
 
 @dataclass
@@ -240,7 +240,7 @@ class Resolver:
                 groups.add((g, c["pp"]))
                 continue
             e = self.manifest.tensors[n]
-            out += [Target(n, e.shape, e.dtype, b) for b in self.tp_boxes(n, c["tp"], c["dp"])
+            out += [Target(n, e.shape, e.dtype_name, b) for b in self.tp_boxes(n, c["tp"], c["dp"])
                     if b.numel]
         for g, stage in sorted(groups):
             for bucket in range(self.spec.zero.buckets):
@@ -249,7 +249,7 @@ class Resolver:
             if n.startswith(LOCAL_PREFIX + "/"):
                 owner = int(n.split("/")[1])
                 if owner % self.world == rank:
-                    out.append(Target(n, e.shape, e.dtype, Box.whole(e.shape)))
+                    out.append(Target(n, e.shape, e.dtype_name, Box.whole(e.shape)))
         return out
 
     def _flat_targets(self, g: int, stage: int, t: int, bucket: int, d: int) -> list[Target]:
@@ -274,7 +274,7 @@ class Resolver:
             if a >= e:
                 continue
             entry = self.manifest.tensors[n]
-            out += [Target(n, entry.shape, entry.dtype, bx.shift(b.offsets))
+            out += [Target(n, entry.shape, entry.dtype_name, bx.shift(b.offsets))
                     for bx in flat_to_boxes(b.sizes, a - m_lo, e - m_lo)]
         return out
 

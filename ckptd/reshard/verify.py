@@ -144,7 +144,8 @@ def _read_region(files: StepFiles, name: str, entry: TensorEntry, chunks: Sequen
                  region: Box, pool: ThreadPoolExecutor) -> torch.Tensor:
     """``region`` as a load would read it from ``chunks`` (each element from one of them)."""
     out = torch.empty(region.sizes, dtype=entry.dtype)
-    only = Manifest(0, "", 1, 0.0, {name: TensorEntry(entry.dtype, entry.shape, tuple(chunks))})
+    only = Manifest(0, "", 1, 0.0,
+                    {name: TensorEntry(entry.dtype_name, entry.shape, tuple(chunks))})
     piece = Piece(name, entry.shape, entry.dtype, region, out)
     buffers = Buffers(config.get().load_budget_bytes)
     plan = plan_load(only, [piece], unit_bytes=buffers.unit)

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
+from ckptd import dtypes
+from ckptd.hostarray import HostArray
 from ckptd.regions import Box
 from ckptd.reshard.targets import Target
 from ckptd.sharding import Piece
@@ -32,18 +32,18 @@ from ckptd.sharding import Piece
 class Regions:
     """The source regions of one wave, per tensor, each with the tensor that will hold it."""
 
-    by_name: dict[str, dict[Box, torch.Tensor]]  # one region (the hull), or one per box
+    by_name: dict[str, dict[Box, HostArray]]  # one region (the hull), or one per box
     shapes: dict[str, tuple[int, ...]]  # global shapes
 
     @staticmethod
-    def of(targets: Sequence[Target], device: str = "cpu") -> Regions:
+    def of(targets: Sequence[Target], meta: bool = False) -> Regions:
         """Empty buffers for the regions covering ``targets`` (their bytes are at most the
-        targets' distinct bytes); ``device="meta"`` for a plan without memory."""
+        targets' distinct bytes); ``meta``: without memory, for a plan."""
         boxes: dict[str, dict[Box, Target]] = {}
         for t in targets:
             if t.box.numel:
                 boxes.setdefault(t.name, {})[t.box] = t
-        chosen: list[tuple[str, torch.dtype, Box]] = []
+        chosen: list[tuple[str, str, Box]] = []
         for name, distinct in boxes.items():
             dtype = next(iter(distinct.values())).dtype
             lo = tuple(map(min, zip(*(b.offsets for b in distinct), strict=True)))
@@ -52,14 +52,18 @@ class Regions:
             chosen += [(name, dtype, b) for b in ([hull] if hull.numel <= sum(
                 b.numel for b in distinct) else distinct)]
         # one allocation for the wave (given back whole when it is done), regions aligned to 64
+        out: dict[str, dict[Box, HostArray]] = {}
+        if meta:
+            for name, dtype, b in chosen:
+                out.setdefault(name, {})[b] = HostArray.meta(b.sizes, dtype)
+            return Regions(out, {t.name: t.shape for t in targets})
         at, offsets = 0, []
         for _, dtype, b in chosen:
             offsets.append(at)
-            at += -(-b.numel * dtype.itemsize // 64) * 64
-        arena = torch.empty(at, dtype=torch.uint8, device=device)
-        out: dict[str, dict[Box, torch.Tensor]] = {}
+            at += -(-b.numel * dtypes.ITEMSIZE[dtype] // 64) * 64
+        arena = HostArray.bytes(at)
         for (name, dtype, b), o in zip(chosen, offsets, strict=True):
-            view = arena[o : o + b.numel * dtype.itemsize].view(dtype).view(b.sizes)
+            view = arena[o : o + b.numel * dtypes.ITEMSIZE[dtype]].view(dtype).view(b.sizes)
             out.setdefault(name, {})[b] = view
         return Regions(out, {t.name: t.shape for t in targets})
 
@@ -76,7 +80,7 @@ class Regions:
     def piece(self, t: Target) -> Piece:
         """``t`` as a piece viewing the region that holds it."""
         if not t.box.numel:
-            view = torch.empty(t.box.sizes, dtype=t.dtype)
+            view = HostArray.empty(t.box.sizes, t.dtype)
         else:
             regions = self.by_name[t.name]
             if len(regions) == 1:  # the hull

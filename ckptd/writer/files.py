@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckptd import config
 from ckptd.manifest import Chunk, FrameTable, codecs
@@ -13,6 +12,11 @@ from ckptd.regions import Box
 from ckptd.storage import Storage
 from ckptd.storage.base import Buffer
 from ckptd.writer.pack import FilePlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptd.hostarray import HostArray
 
 ChunkList = list[tuple[str, Chunk]]
 
@@ -38,7 +42,7 @@ def write_file(
     storage: Storage,
     step_dir: str,
     rel_path: str,
-    arena: torch.Tensor,
+    arena: torch.Tensor | HostArray,
     plan: FilePlan,
     codec: str,
     level: int,

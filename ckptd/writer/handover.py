@@ -59,7 +59,7 @@ class AgentHandover:
             frame_bytes=config.get().frame_bytes,
             commit_=remote.Commit(opts.run_id, self.generation, job.overwrite, opts.keep_last))
         try:
-            job.ticket = self.offload.submit(job.arena.buffer, doc)
+            job.ticket = self.offload.submit(job.arena.tensor, doc)
         except AgentLost as e:
             self._agent_lost(e)
             job.futures = self._writer.start_files(job.share, job.arena, rnd, 0,

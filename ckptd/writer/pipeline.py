@@ -12,18 +12,18 @@ background.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.errors import CkptdError, CorruptCheckpoint
+from ckptd.hostarray import HostArray
 from ckptd.manifest import Chunk, FrameRef, Manifest, TensorEntry, layout
 from ckptd.manifest.frames import table_file
 from ckptd.regions import Box
@@ -33,6 +33,9 @@ from ckptd.writer.files import ChunkList, gather, write_file
 from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ckptd")
 
@@ -124,30 +127,43 @@ def runs_within(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return runs
 
 
-def stage(arena: torch.Tensor, plans: list[FilePlan]) -> None:
+def stage(arena: torch.Tensor | HostArray, plans: list[FilePlan]) -> None:
     """The copy the caller waits for. On CUDA, copies are issued on a side stream into pinned
     memory and synchronised here, so "staged" always means the source may change."""
-    cuda = any(s.piece.view.is_cuda for p in plans for s in p.slots)
-    stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for plan in plans:
-                    for s in plan.slots:
-                        copy_into(arena, s.offset, s.piece.view)
-            stream.synchronize()
-        else:
-            base = arena.data_ptr()
-            flat: list[tuple[int, int, int]] = []
+    if any(s.piece.view.is_cuda for p in plans for s in p.slots):
+        import torch
+
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
             for plan in plans:
                 for s in plan.slots:
-                    v = s.piece.view
-                    if v.is_contiguous() and v.device.type == "cpu":
-                        flat.append((base + s.offset, v.data_ptr(), v.numel() * v.element_size()))
-                    else:  # strided views: torch's copy
-                        copy_into(arena, s.offset, v)
-            copy_all(flat)
+                    copy_into(arena, s.offset, s.piece.view)
+        stream.synchronize()
+        return
+    base = arena.data_ptr()
+    flat: list[tuple[int, int, int]] = []
+    strided = []
+    for plan in plans:
+        for s in plan.slots:
+            v = s.piece.view
+            if v.is_contiguous() and v.device.type == "cpu":
+                flat.append((base + s.offset, v.data_ptr(), v.numel() * v.element_size()))
+            else:
+                strided.append(s)
+    if strided:  # strided views: the array's own copy (no autograd on a tensor's)
+        with _no_grad(arena):
+            for s in strided:
+                copy_into(arena, s.offset, s.piece.view)
+    copy_all(flat)
+
+
+def _no_grad(arena: torch.Tensor | HostArray) -> Any:
+    if isinstance(arena, HostArray):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.no_grad()
 
 
 class RankWriter:
@@ -236,7 +252,7 @@ class RankWriter:
         # what it wrote, in full; what it holds but a replica wrote, by name (the coordinator
         # checks that some rank wrote it): a partial grows with the rank's writes
         tensors = {
-            n: TensorEntry(e.dtype, e.shape, tuple(by_name.get(n, ())))
+            n: TensorEntry(e.dtype_name, e.shape, tuple(by_name.get(n, ())))
             for n, e in share.declared.items() if n in by_name or not math.prod(e.shape)
         }
         holds = tuple(sorted(n for n in share.declared if n not in tensors))
@@ -295,9 +311,11 @@ def n_files(rounds: list[Round]) -> int:
 
 
 def check_unmodified(plans: list[FilePlan], arena: torch.Tensor) -> None:
+    import torch
+
     for plan in plans:
         for s in plan.slots:
-            v = s.piece.view
+            v = s.piece.tensor
             staged = arena[s.offset : s.offset + s.nbytes].view(v.dtype).view(v.shape)
             if not torch.equal(staged.cpu(), v.detach().cpu()):
                 raise CorruptCheckpoint(

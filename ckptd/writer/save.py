@@ -227,7 +227,7 @@ class Saver(AgentHandover):
                 job.pool = self.pool
                 job.arena = job.pool.acquire(rounds[0].nbytes)
             if self.options.debug_overlap:
-                buffer, plans = job.arena.buffer, rounds[0].plans
+                buffer, plans = job.arena.tensor, rounds[0].plans
                 job.handle.on_wait_staged.append(lambda: check_unmodified(plans, buffer))
             job.t_write = time.perf_counter()
             if self._hand_over(job):
@@ -273,9 +273,9 @@ class Saver(AgentHandover):
                     if self.auto is not None and job.arena is not None:
                         self.auto.observe_save(
                             stored_bytes(job.chunks), time.perf_counter() - job.t_write,
-                            job.codec, [(s.piece.view, s.offset, s.nbytes)
+                            job.codec, [(s.piece.tensor, s.offset, s.nbytes)
                                         for p in job.rounds[0].plans for s in p.slots],
-                            job.arena.buffer)
+                            job.arena.tensor)
             finally:
                 if job.arena is not None and job.pool is not None and not job.kept:
                     job.pool.release(job.arena)  # every write that reads it has returned

@@ -16,14 +16,20 @@ import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+from ckptd.hostarray import HostArray
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 4096
 
 
 def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A zeroed uint8 tensor of ``nbytes`` whose data pointer is ALIGN-aligned (O_DIRECT)."""
+    import torch
+
     raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     shift = (-raw.data_ptr()) % ALIGN
     return raw[shift : shift + nbytes]
@@ -31,8 +37,15 @@ def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
 
 @dataclass
 class Arena:
-    buffer: torch.Tensor  # uint8, aligned
+    buffer: torch.Tensor | HostArray  # uint8, aligned
     in_use: bool = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``buffer`` as a tensor: every arena of a save (the offline reshard's are HostArrays)."""
+        if isinstance(self.buffer, HostArray):
+            raise TypeError("a HostArray arena where a tensor is needed")
+        return self.buffer
 
     @property
     def capacity(self) -> int:
@@ -44,11 +57,16 @@ class StagingPool:
     allocation so tests can assert reuse without timing anything."""
 
     def __init__(self, slots: int = 1, pin: bool | None = None,
-                 allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+                 allocate: Callable[[int], torch.Tensor | HostArray] | None = None) -> None:
         """``allocate``: where arena memory comes from instead of this process's heap (the node
-        agent's shared memory, page-aligned)."""
+        agent's shared memory, page-aligned; host memory without torch for the offline
+        reshard)."""
         self.slots = max(1, slots)
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        if pin is None:
+            import torch
+
+            pin = torch.cuda.is_available()
+        self.pin = pin
         self._allocate_with = allocate
         self.allocations = 0
         self._arenas: list[Arena] = []
@@ -88,7 +106,7 @@ class StagingPool:
                     a.in_use = False
             self._cond.notify_all()
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def _allocate(self, nbytes: int) -> torch.Tensor | HostArray:
         self.allocations += 1
         if self._allocate_with is not None:
             return self._allocate_with(max(nbytes, ALIGN))
@@ -99,8 +117,9 @@ class StagingPool:
         return sum(a.capacity for a in self._arenas)
 
 
-def copy_into(arena: torch.Tensor, offset: int, src: torch.Tensor) -> None:
-    """Copy ``src`` (any strides, any device) into ``arena[offset:]`` row-major.
+def copy_into(arena: Any, offset: int, src: Any) -> None:
+    """Copy ``src`` (any strides, any device) into ``arena[offset:]`` row-major: two tensors, or
+    two HostArrays (the offline reshard's).
 
     A contiguous CPU source is copied with one ``memmove`` (it releases the GIL): torch's
     ``copy_`` splits every call over its intra-op threads, and with hundreds of pieces on a busy
