@@ -258,9 +258,14 @@ class Resharder:
                 partials[p.rank], reports[p.rank] = self._write_rank(
                     p, writer(), attempt, io, read_budget, files)
 
-            def wave_rank(p: RankPlan, regions: waves.Regions, rep: RankReport) -> None:
-                partials[p.rank] = self._write_from(p, writer(), attempt, regions, rep)
+            def wave_rank(p: RankPlan, regions: waves.Regions, rep: RankReport,
+                          done: _WaveDone) -> None:
+                written = self._write_from(p, writer(), attempt, regions, rep)
                 reports[p.rank] = rep
+                complete = done.add(p.rank, written)
+                if complete is not None:  # the wave's last rank: one frame table for them all
+                    for (share, _), m in zip(complete, writer().partials(complete), strict=True):
+                        partials[share.rank] = m
 
             futures: list[list[Future[None]]] = []
             try:
@@ -276,7 +281,8 @@ class Resharder:
                     reps = [_report(p, plans[0].rank) for p in plans]
                     read = self._read(regions.pieces(), files, io, read_budget)
                     _share_reads(reps, read, regions.nbytes + read_budget.peak)
-                    futures.append([workers.submit(wave_rank, p, regions, rep)
+                    done = _WaveDone([p.rank for p in plans])
+                    futures.append([workers.submit(wave_rank, p, regions, rep, done)
                                     for p, rep in zip(plans, reps, strict=True)])
                 for fs in futures:
                     for f in fs:
@@ -349,8 +355,9 @@ class Resharder:
         return writer.partial(share, chunks), rep
 
     def _write_from(self, p: RankPlan, writer: RankWriter, attempt: str,
-                    regions: waves.Regions, rep: RankReport) -> Manifest:
-        """A rank of a wave: its pieces view the wave's regions, staged like a save's."""
+                    regions: waves.Regions, rep: RankReport) -> Written:
+        """A rank of a wave: its pieces view the wave's regions, staged like a save's; its
+        partial is made with the wave's (one frame table)."""
         share = self._share(p, attempt)
         rounds = plan_rounds([regions.piece(t) for t in p.writes], 1, self.arena_budget,
                              tight=True)
@@ -358,7 +365,24 @@ class Resharder:
         rep.peak_bytes += sum(r.nbytes for r in rounds)
         if self.on_bytes:
             self.on_bytes(p.write_bytes)
-        return writer.partial(share, chunks)
+        return share, chunks
+
+
+Written = tuple[Share, list[tuple[str, Chunk]]]  # a rank's share and the chunks it wrote
+
+
+class _WaveDone:
+    """Collects the ranks of a wave as they finish; the last one gets them all, in order."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks, self.done, self.lock = ranks, dict[int, Written](), threading.Lock()
+
+    def add(self, rank: int, written: Written) -> list[Written] | None:
+        with self.lock:
+            self.done[rank] = written
+            if len(self.done) < len(self.ranks):
+                return None
+        return [self.done[r] for r in self.ranks]
 
 
 def _report(p: RankPlan, wave: int) -> RankReport:

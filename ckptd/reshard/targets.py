@@ -188,13 +188,35 @@ class Resolver:
 
     def tp_boxes(self, name: str, t: int, d: int = 0) -> list[Box]:
         """The boxes of ``name`` TP rank ``t`` (and, with dp_dim, DP rank ``d``) holds."""
-        if self._rules[name].dp_dim is None:  # type: ignore[union-attr]  # checked in __init__
+        rule = self._rules[name]
+        assert rule is not None  # checked in __init__
+        if rule.dp_dim is None:
             d = 0
         key = (name, t, d)
         boxes = self._boxes.get(key)
         if boxes is None:
+            if rule.dp_dim is not None and self._tp_whole(rule):
+                self._dp_slices(name, rule.dp_dim, t)  # every DP rank's at once
+                return self._boxes[key]
             boxes = self._boxes[key] = self._tp_boxes(name, t, d)
         return boxes
+
+    def _tp_whole(self, rule: Rule) -> bool:
+        """Whether TP leaves the tensor whole (no split, or one part)."""
+        return rule.tp_dim is None or rule.replicated or (self.spec.tp == 1 and rule.fused is None)
+
+    def _dp_slices(self, name: str, dim: int, t: int) -> None:
+        """The boxes of every DP rank of a tensor split on ``dim`` alone (what ``_tp_boxes``
+        gives for each): one loop per tensor, not a call chain per (tensor, rank) — an FSDP2
+        checkpoint at 1024 ranks has ~120,000 of them."""
+        whole = Box.whole(self.manifest.tensors[name].shape)
+        size, c = whole.sizes[dim], -(-whole.sizes[dim] // self.dp)  # split_dim's "chunk"
+        o, s, e = list(whole.offsets), list(whole.sizes), list(whole.ends)
+        for d in range(self.dp):
+            o[dim] = start = min(d * c, size)
+            s[dim] = n = max(0, min(c, size - start))
+            e[dim] = start + n
+            self._boxes[(name, t, d)] = [Box._of(tuple(o), tuple(s), tuple(e))]
 
     def _tp_boxes(self, name: str, t: int, d: int) -> list[Box]:
         entry, rule, spec = self.manifest.tensors[name], self.rule(name), self.spec
@@ -207,9 +229,9 @@ class Resolver:
         if rule.dp_dim is not None:
             off, size = split_dim(box.sizes[rule.dp_dim], self.dp, d, "chunk")
             box = _cut(box, rule.dp_dim, off, size)
-        if rule.tp_dim is None or rule.replicated or (spec.tp == 1 and rule.fused is None):
-            return [box]
         dim, n = rule.tp_dim, spec.tp
+        if dim is None or self._tp_whole(rule):
+            return [box]
         parts = [(0, box.sizes[dim])]
         if rule.fused is not None:
             if sum(rule.fused) != box.sizes[dim]:

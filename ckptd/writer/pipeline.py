@@ -236,14 +236,31 @@ class RankWriter:
     def partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         """The rank's frame table, written, and its partial manifest, not written: for a
         writer that merges every rank's partial in the same process (``ckptd reshard``)."""
-        unknown = {name for name, _ in chunks} - set(share.declared)
-        if unknown:
-            raise CkptdError(f"chunks written for undeclared tensors {sorted(unknown)}")
-        table = layout.frame_table(share.attempt, share.rank)
-        blob, refs = table_file([c.frames for _, c in chunks if c.frames is not None])
-        if len(refs) != len(chunks):
+        return self.partials([(share, chunks)])[0]
+
+    def partials(self, ranks: list[tuple[Share, list[tuple[str, Chunk]]]]) -> list[Manifest]:
+        """``partial`` of several ranks of one attempt, with one frame table for them all
+        (named after the first rank): a reshard to a thousand ranks writes one per wave."""
+        for share, chunks in ranks:
+            unknown = {name for name, _ in chunks} - set(share.declared)
+            if unknown:
+                raise CkptdError(f"rank {share.rank}: chunks written for undeclared tensors "
+                                 f"{sorted(unknown)}")
+        share0 = ranks[0][0]
+        table = layout.frame_table(share0.attempt, share0.rank)
+        blob, refs = table_file([c.frames for _, chunks in ranks for _, c in chunks
+                                 if c.frames is not None])
+        if len(refs) != sum(len(chunks) for _, chunks in ranks):
             raise CkptdError("a chunk without frames cannot be written")
-        self.storage.write_file(f"{layout.step_dir(share.step)}/{table}", [blob])
+        self.storage.write_file(f"{layout.step_dir(share0.step)}/{table}", [blob])
+        out, at = [], 0
+        for share, chunks in ranks:
+            out.append(self._partial(share, chunks, table, refs[at : at + len(chunks)]))
+            at += len(chunks)
+        return out
+
+    def _partial(self, share: Share, chunks: list[tuple[str, Chunk]], table: str,
+                 refs: Sequence[tuple[int, int, str]]) -> Manifest:
         by_name: dict[str, list[Chunk]] = {}
         for (name, c), (first, count, digest) in zip(chunks, refs, strict=True):
             by_name.setdefault(name, []).append(Chunk(  # not dataclasses.replace: 3x the time
