@@ -14,6 +14,7 @@ import ckptd
 from ckptd import config
 from ckptd.errors import ForeignWriter, StorageError
 from ckptd.manifest import layout as L
+from ckptd.manifest.envelope import open_doc
 
 
 def _sim(url, world, run_id="job", **kw):
@@ -195,3 +196,45 @@ def test_full_disk_is_a_clear_error_and_commits_nothing(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(mnt)], check=False)
+
+
+class _CountingStorage(ckptd.storage.LocalStorage):
+    """Records what a waiting rank reads."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.whole: list[str] = []
+        self.ranges: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def read_bytes(self, path: str) -> bytes:
+        self.whole.append(path)
+        return super().read_bytes(path)
+
+    def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+        self.ranges.append((path, list(ranges)))
+        return super().read_ranges(path, ranges)
+
+
+def test_a_waiting_rank_learns_the_commit_from_the_manifests_first_bytes(tmp_path):
+    """Not the whole manifest (5 MB for a 70B model at 1024 ranks, read by every rank after
+    every save): its first bytes name the step and attempt. Another attempt is not a commit of
+    ours; a manifest not in the writer's form (format 2) is read whole, as before."""
+    from ckptd.writer import commit
+
+    root = str(tmp_path / "ck")
+    big = {f"w{i}": torch.zeros(4) for i in range(200)}  # a manifest well over the prefix
+    with ckptd.Checkpointer(root, run_id="job") as ck:
+        ck.save(big, step=3)
+        attempt = ck.read_manifest(3).attempt
+    st = _CountingStorage(root)
+    commit.wait_committed(st, 3, attempt)
+    assert st.whole == [] and st.ranges == [(L.manifest_path(3), [(0, 512)])]
+    assert os.path.getsize(os.path.join(root, L.manifest_path(3))) > 10 * 512
+    with config.override(commit_timeout_s=0.3, poll_min_s=0.05, poll_max_s=0.1), \
+            pytest.raises(ckptd.CkptdError, match="no commit"):
+        commit.wait_committed(st, 3, "job-999999")  # the manifest names another attempt
+    old = os.path.join(os.path.dirname(__file__), "fixtures", "format2")
+    st = _CountingStorage(old)
+    raw = open(os.path.join(old, L.manifest_path(7)), "rb").read()
+    commit.wait_committed(st, 7, open_doc(raw, "m")["attempt"])
+    assert st.whole == [L.manifest_path(7)]

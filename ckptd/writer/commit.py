@@ -28,7 +28,7 @@ from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
-from ckptd.manifest.envelope import open_doc
+from ckptd.manifest.envelope import PREFIX_BYTES, committed_attempt, open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.writer.signals import Signals
@@ -253,12 +253,7 @@ def wait_committed(
     while True:
         if signals.committed(attempt):
             return
-        try:  # one GET (not exists + GET: on an object store `exists` costs up to two requests)
-            # the head alone: which attempt was committed, not what it holds
-            committed_attempt = open_doc(storage.read_bytes(path), path).get("attempt")
-        except (FileNotFoundError, CorruptCheckpoint):
-            committed_attempt = None  # not yet, or replaced by retention/another commit
-        if committed_attempt == attempt:
+        if _committed_attempt(storage, path, step) == attempt:
             return
         error = _failure(storage, step, attempt, signals)
         if error is not None:
@@ -268,6 +263,25 @@ def wait_committed(
                 f"step {step}: no commit after {config.get().commit_timeout_s:.0f}s "
                 "(coordinator dead?)"
             )
+
+
+def _committed_attempt(storage: Storage, path: str, step: int) -> Any:
+    """The attempt the manifest at ``path`` commits (None: none yet, or unreadable). One ranged
+    GET of its first bytes (not exists + GET: on an object store `exists` costs up to two
+    requests); the whole head only when they are not in the writer's form."""
+    try:
+        prefix = bytes(storage.read_ranges(path, [(0, PREFIX_BYTES)])[0])
+    except FileNotFoundError:
+        return None  # not yet, or replaced by retention/another commit
+    except EOFError:  # a manifest shorter than the prefix
+        prefix = b""
+    got = committed_attempt(prefix)
+    if got is not None:
+        return got[1] if got[0] == step else None
+    try:
+        return open_doc(storage.read_bytes(path), path).get("attempt")
+    except (FileNotFoundError, CorruptCheckpoint):
+        return None
 
 
 # ----------------------------------------------------------------------------- ownership
