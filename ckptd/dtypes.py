@@ -1,8 +1,8 @@
 """The element types of the ckptd format, by name, without importing torch.
 
 A manifest names each tensor's dtype (``"bfloat16"``). Saving and loading work with torch
-dtypes (:func:`torch_dtype`); what only moves bytes — the offline reshard, ``inspect``, the
-manifest codecs — needs the item size alone, and works in numpy arrays of the same width
+dtypes (:func:`torch_dtype`); what only moves bytes — the offline reshard — needs the item
+size alone, and works in numpy arrays of the same width
 (:func:`host_dtype`), so that it runs without torch in the process (``import torch`` alone is
 ~220 MiB of resident memory).
 """
@@ -34,10 +34,6 @@ def name_of(dtype: torch.dtype | str) -> str:
     if name not in ITEMSIZE:
         raise ValueError(f"dtype {dtype} is not supported by the ckptd format")
     return name
-
-
-def itemsize(dtype: torch.dtype | str) -> int:
-    return ITEMSIZE[dtype] if isinstance(dtype, str) else dtype.itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:

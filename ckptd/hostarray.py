@@ -12,6 +12,7 @@ Nothing here converts values; a HostArray never meets a tensor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,10 +63,6 @@ class HostArray:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.a.shape)
 
-    @property
-    def nbytes(self) -> int:
-        return self.a.nbytes
-
     def numel(self) -> int:
         return self.a.size
 
@@ -83,7 +80,8 @@ class HostArray:
 
     def storage_offset(self) -> int:
         """0: numpy reinterprets bytes at any address, so a dtype view never needs realigning
-        (the one use of a tensor's storage offset here)."""
+        (the one use of a tensor's storage offset here; the realigning ``clone`` is never
+        reached)."""
         return 0
 
     def numpy(self) -> np.ndarray[Any, Any]:
@@ -91,9 +89,6 @@ class HostArray:
 
     def detach(self) -> HostArray:
         return self
-
-    def clone(self) -> HostArray:
-        return HostArray(self.a.copy(), self.dtype)
 
     def reshape(self, *sizes: Any) -> HostArray:
         return HostArray(self.a.reshape(*sizes), self.dtype)
@@ -115,15 +110,22 @@ class HostArray:
             out = self.a[(*index, ...) if isinstance(index, tuple) else (index, ...)]
         return HostArray(out, self.dtype)
 
-    def __len__(self) -> int:
-        return len(self.a)
-
     def copy_(self, src: HostArray, non_blocking: bool = False) -> HostArray:
         np.copyto(self.a, src.a, casting="no")
         return self
 
     def __repr__(self) -> str:
         return f"HostArray({self.dtype}, {list(self.shape)})"
+
+
+def no_grad(t: Any) -> Any:
+    """The context for copying into ``t``: ``torch.no_grad()`` for a tensor, nothing for a
+    HostArray (which has no autograd, and no torch to import)."""
+    if isinstance(t, HostArray):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.no_grad()
 
 
 def flat_bytes(t: Any) -> Any:

@@ -116,7 +116,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         codec_names = sorted({c.codec for c in t.chunks})
         ranks = sorted({c.rank for c in t.chunks})
         rank_s = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
-        rows.append([name, str(t.dtype).removeprefix("torch."), "x".join(map(str, t.shape)) or "()",
+        rows.append([name, t.dtype_name, "x".join(map(str, t.shape)) or "()",
                      len(t.chunks), human(sum(c.length for c in t.chunks)), rank_s,
                      "/".join(codec_names)])
     print(table(rows, ["tensor", "dtype", "shape", "chunks", "bytes", "ranks", "codec"]))

@@ -48,9 +48,9 @@ def tail_field(tail_bytes: int) -> bytes:
 
 def seal(body: bytes) -> bytes:
     assert body.startswith(b"{") and len(body) > 2
-    unsealed = _DIGEST_HEAD + _ZEROS + b'",' + body[1:]
-    digest = xxhash.xxh3_64_hexdigest(unsealed).encode()
-    return _DIGEST_HEAD + digest + unsealed[_DIGEST_END:]
+    buf = unsealed_start()
+    buf += body[1:]
+    return bytes(seal_in_place(buf))
 
 
 def unsealed_start() -> bytearray:

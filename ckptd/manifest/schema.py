@@ -274,7 +274,8 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     head["index"] = index
     head_json = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
     # seal(tail_field + head + tail) built in one buffer: each tensor's text is freed as it is
-    # appended (the manifest of a 1024-rank reshard is ~10 MB; copies of it were ~50 MB)
+    # appended (the manifest of a 1024-rank reshard is ~10 MB; the texts, the joined tail, the
+    # body, the unsealed and the sealed document were five copies of it)
     out = unsealed_start()
     out += tail_field(len(TENSORS_KEY) + pos + 2)[1:]  # tail: TENSORS_KEY{<texts>}}
     out += head_json[1:-1]

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptd import dtypes
 from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
 from ckptd.sharding import Piece
@@ -132,10 +131,6 @@ class LoadPlan:
                 "ranges": len(self.ranges), "reads": len(self.reads),
                 "files": len({rg.file for rg in self.ranges}),
                 "largest_range": max((rg.length for rg in self.ranges), default=0)}
-
-
-def itemsize_of(dtype: torch.dtype | str) -> int:
-    return dtypes.itemsize(dtype)
 
 
 def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
-from ckptd.hostarray import HostArray
+from ckptd.hostarray import HostArray, no_grad
 from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
@@ -142,21 +142,14 @@ def copy_range(rng: Range, data: Data) -> None:
     first = next((c for r in rng.reads for c in r.copies), None)
     if first is None:
         return
-    if isinstance(first.piece.view, HostArray):
-        _copy_range(rng, data, HostArray.over)
-        return
-    import torch
-
-    with torch.no_grad():
-        _copy_range(rng, data, as_uint8)
-
-
-def _copy_range(rng: Range, data: Data, over: Callable[[memoryview], Any]) -> None:
-    for read in rng.reads:
-        raw = over(data[read])
-        for c in read.copies:
-            src = source_view(c, raw, c.piece.dtype)
-            c.piece.view[c.region.within(c.piece.box)].copy_(src)
+    over: Callable[[memoryview], Any] = (
+        HostArray.over if isinstance(first.piece.view, HostArray) else as_uint8)
+    with no_grad(first.piece.view):
+        for read in rng.reads:
+            raw = over(data[read])
+            for c in read.copies:
+                src = source_view(c, raw, c.piece.dtype)
+                c.piece.view[c.region.within(c.piece.box)].copy_(src)
 
 
 def as_uint8(buf: Buf) -> torch.Tensor:

@@ -210,12 +210,10 @@ class Resolver:
         gives for each): one loop per tensor, not a call chain per (tensor, rank) — an FSDP2
         checkpoint at 1024 ranks has ~120,000 of them."""
         whole = Box.whole(self.manifest.tensors[name].shape)
-        size, c = whole.sizes[dim], -(-whole.sizes[dim] // self.dp)  # split_dim's "chunk"
         o, s, e = list(whole.offsets), list(whole.sizes), list(whole.ends)
         for d in range(self.dp):
-            o[dim] = start = min(d * c, size)
-            s[dim] = n = max(0, min(c, size - start))
-            e[dim] = start + n
+            o[dim], s[dim] = split_dim(whole.sizes[dim], self.dp, d, "chunk")
+            e[dim] = o[dim] + s[dim]
             self._boxes[(name, t, d)] = [Box._of(tuple(o), tuple(s), tuple(e))]
 
     def _tp_boxes(self, name: str, t: int, d: int) -> list[Box]:

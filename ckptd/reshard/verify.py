@@ -17,7 +17,7 @@ from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import Chunk, Manifest, TensorEntry, find_hole
 from ckptd.regions import Box
-from ckptd.reshard.plan import Range, Read, coalesce, itemsize_of, plan_load
+from ckptd.reshard.plan import Range, Read, coalesce, plan_load
 from ckptd.reshard.reader import Buffers, StepFiles, copy_range, fetch_range, run_ranges
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -65,7 +65,7 @@ def verify(storage: Storage, step_dir: str, manifest: Manifest, pool: ThreadPool
             report.problems.append(f"{name}: not covered at offsets {list(hole.offsets)} "
                                    f"sizes {list(hole.sizes)}")
         for chunk in entry.chunks:
-            reads += whole_chunk_reads(name, chunk, itemsize_of(entry.dtype), unit)
+            reads += whole_chunk_reads(name, chunk, entry.itemsize, unit)
     ranges = coalesce(reads, 0, unit)
     try:
         files = StepFiles(storage, step_dir, {r.file for r in ranges})
@@ -181,7 +181,7 @@ def _check_copies(files: StepFiles, name: str, entry: TensorEntry, bad: set[int]
     copies = _overlapping(good)
     if not copies:
         return
-    itemsize = itemsize_of(entry.dtype)
+    itemsize = entry.itemsize
     whole = Box.whole(entry.shape)
     row = itemsize * (whole.numel // max(1, whole.sizes[0])) if whole.sizes else itemsize
     rows = max(1, config.get().load_budget_bytes // 4 // max(row, 1))

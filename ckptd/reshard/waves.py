@@ -51,12 +51,12 @@ class Regions:
             hull = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
             chosen += [(name, dtype, b) for b in ([hull] if hull.numel <= sum(
                 b.numel for b in distinct) else distinct)]
-        # one allocation for the wave (given back whole when it is done), regions aligned to 64
         out: dict[str, dict[Box, HostArray]] = {}
         if meta:
             for name, dtype, b in chosen:
                 out.setdefault(name, {})[b] = HostArray.meta(b.sizes, dtype)
             return Regions(out, {t.name: t.shape for t in targets})
+        # one allocation for the wave (given back whole when it is done), regions aligned to 64
         at, offsets = 0, []
         for _, dtype, b in chosen:
             offsets.append(at)

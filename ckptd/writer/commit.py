@@ -253,7 +253,7 @@ def wait_committed(
     while True:
         if signals.committed(attempt):
             return
-        if _committed_attempt(storage, path, step) == attempt:
+        if _attempt_at(storage, path, step) == attempt:
             return
         error = _failure(storage, step, attempt, signals)
         if error is not None:
@@ -265,7 +265,7 @@ def wait_committed(
             )
 
 
-def _committed_attempt(storage: Storage, path: str, step: int) -> Any:
+def _attempt_at(storage: Storage, path: str, step: int) -> Any:
     """The attempt the manifest at ``path`` commits (None: none yet, or unreadable). One ranged
     GET of its first bytes (not exists + GET: on an object store `exists` costs up to two
     requests); the whole head only when they are not in the writer's form."""

@@ -12,7 +12,6 @@ background.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.errors import CkptdError, CorruptCheckpoint
-from ckptd.hostarray import HostArray
+from ckptd.hostarray import HostArray, no_grad
 from ckptd.manifest import Chunk, FrameRef, Manifest, TensorEntry, layout
 from ckptd.manifest.frames import table_file
 from ckptd.regions import Box
@@ -152,18 +151,10 @@ def stage(arena: torch.Tensor | HostArray, plans: list[FilePlan]) -> None:
             else:
                 strided.append(s)
     if strided:  # strided views: the array's own copy (no autograd on a tensor's)
-        with _no_grad(arena):
+        with no_grad(arena):
             for s in strided:
                 copy_into(arena, s.offset, s.piece.view)
     copy_all(flat)
-
-
-def _no_grad(arena: torch.Tensor | HostArray) -> Any:
-    if isinstance(arena, HostArray):
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.no_grad()
 
 
 class RankWriter:
