@@ -12,20 +12,35 @@ import ckptd
 
 SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys, threading, time
+    import os, signal, sys, threading
     import torch, ckptd
+    import ckptd.writer.pipeline as pipeline
 
     root = sys.argv[1]
     c = ckptd.Checkpointer(root, run_id="job")
     c.save({"w": torch.ones(1000)}, step=1)
-    state = {"w": torch.ones(128 << 20)}  # 512 MiB: its staging buffer takes a while to make
+    state = {"w": torch.ones(4 << 20)}
 
-    def interrupt_once_staging_starts() -> None:
-        while c.pool.allocations < 2:  # the first was step 1's; the second is this save's
-            time.sleep(0.0005)
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+    # Ctrl-C lands while the state is being copied: the copy (in this thread or a staging one)
+    # sends SIGINT and goes on only once the main thread has taken it, so the save cannot
+    # finish staging first, whatever the scheduler does.
+    taken = threading.Event()
 
-    threading.Thread(target=interrupt_once_staging_starts, daemon=True).start()
+    def on_ctrl_c(signum, frame):
+        taken.set()
+        raise KeyboardInterrupt
+
+    def ctrl_c_first(copy):
+        def copy_after_ctrl_c(*args):
+            if not taken.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+                taken.wait()
+            copy(*args)
+        return copy_after_ctrl_c
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    pipeline.copy_all = ctrl_c_first(pipeline.copy_all)  # contiguous CPU tensors
+    pipeline.copy_into = ctrl_c_first(pipeline.copy_into)  # any other
     try:
         h = c.save_async(state, step=2)
     except KeyboardInterrupt:
