@@ -51,7 +51,10 @@ class Box:
 
     @staticmethod
     def whole(shape: tuple[int, ...]) -> Box:
-        return Box((0,) * len(shape), tuple(shape))
+        sizes = tuple(shape)
+        if sizes and min(sizes) < 0:
+            raise ValueError(f"negative box: sizes {sizes}")
+        return Box._of((0,) * len(sizes), sizes, sizes)
 
     @property
     def ndim(self) -> int:

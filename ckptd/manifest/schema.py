@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -302,10 +303,13 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def decode(raw: bytes, where: str, frames: FrameSource | None = None) -> Manifest:
+def decode(raw: bytes, where: str, frames: FrameSource | None = None, *,
+           eager: bool = False) -> Manifest:
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor. In format 3 the tensors'
-    chunks are parsed (and checked) when first used; ``frames`` reads their frame tables."""
+    chunks are parsed (and checked) when first used, or all at once with ``eager`` (one JSON
+    parse: the coordinator's merge uses every chunk of every partial); ``frames`` reads their
+    frame tables."""
     doc, tail_at = split_doc(raw, where)
     try:
         decoded: set[str] = set()
@@ -315,6 +319,8 @@ def decode(raw: bytes, where: str, frames: FrameSource | None = None) -> Manifes
             tensors = {name: _tensor(name, t, where) for name, t in doc["tensors"].items()}
         else:
             tensors = _index(raw, tail_at, doc, where, decoded)
+            if eager:
+                tensors = _parsed(raw, tail_at, tensors, doc["tables"], where)
         return Manifest(
             step=_int(doc["step"]),
             attempt=_name(doc["attempt"]),
@@ -363,6 +369,22 @@ def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: s
     return out
 
 
+def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry], tables: list[str],
+            where: str) -> dict[str, TensorEntry]:
+    """Every tensor of ``index`` with its chunks, from one parse of the tensors object."""
+    body = parse_json(raw[tail_at:-1], where)
+    if not isinstance(body, dict) or body.keys() != index.keys():
+        raise CorruptCheckpoint(f"{where}: the tensors do not match the index")
+    out = {}
+    for name, e in index.items():
+        items = body[name].get("chunks") if isinstance(body[name], dict) else None
+        if not isinstance(items, list):
+            raise CorruptCheckpoint(f"{where}: {name}: no list of chunks")
+        out[name] = TensorEntry(e.dtype_name, e.shape, _chunks(
+            name, items, Box.whole(e.shape), dtypes.ITEMSIZE[e.dtype_name], where, tables))
+    return out
+
+
 def _lazy_chunks(raw: bytes, start: int, length: int, name: str, shape: tuple[int, ...],
                  itemsize: int, tables: list[str], where: str, decoded: set[str],
                  ) -> tuple[Chunk, ...]:
@@ -375,9 +397,21 @@ def _lazy_chunks(raw: bytes, start: int, length: int, name: str, shape: tuple[in
 
 
 def _held(names: Any) -> list[str]:
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+    # the checks run in C: a partial at a thousand ranks names thousands of tensors
+    if not isinstance(names, list) or (names and set(map(type, names)) != {str}) or "" in names:
         raise ValueError(f"'holds' is not a list of names: {names!r}")
     return names
+
+
+def _ints(v: Any) -> tuple[int, ...]:
+    """A short list of integers in [0, MAX_INT] (a box, a shape) as a tuple: ``_int`` of each,
+    inlined (a thousand ranks' partials hold tens of thousands of boxes)."""
+    if not isinstance(v, list):
+        raise ValueError(f"expected a list of integers, got {v!r}")
+    for x in v:
+        if type(x) is not int or not 0 <= x <= MAX_INT:
+            _int(x)  # raises, naming it
+    return tuple(v)
 
 
 def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -394,24 +428,33 @@ def _name(v: Any) -> str:
     return v
 
 
+_CONTROL = re.compile(r"[\x00-\x1f]")  # NUL and control characters
+
+
 def _safe_relpath(path: Any, where: str, tensor: str) -> str:
     """Data paths are relative and stay inside the checkpoint directory."""
     if not isinstance(path, str) or not path:
         raise CorruptCheckpoint(f"{where}: {tensor}: chunk file {path!r} is not a path")
+    if not _inside(path):
+        raise CorruptCheckpoint(
+            f"{where}: {tensor}: chunk file {path!r} escapes the checkpoint directory"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _inside(path: str) -> bool:
+    """A manifest names the same few files (and frame tables) for thousands of tensors."""
     norm = posixpath.normpath(path)
-    if (
+    return not (
         path.startswith("/")
         or "\\" in path
         or "://" in path
         or norm.startswith("..")
         or norm != path
         or not norm.startswith("data/")
-        or any(ord(ch) < 32 for ch in path)  # NUL and control characters
-    ):
-        raise CorruptCheckpoint(
-            f"{where}: {tensor}: chunk file {path!r} escapes the checkpoint directory"
-        )
-    return path
+        or _CONTROL.search(path)
+    )
 
 
 def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
@@ -421,7 +464,7 @@ def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
     if not isinstance(shape_l, list):
         raise ValueError(f"{name}: shape {shape_l!r} is not a list")
     dtype = _checked_name(dtype_s, f"{where}: {name}")
-    shape = tuple(_int(s) for s in shape_l)
+    shape = _ints(shape_l)
     itemsize = dtypes.ITEMSIZE[dtype]
     if math.prod(shape) * itemsize > MAX_INT:
         raise CorruptCheckpoint(f"{where}: {name}: shape {list(shape)} is impossibly large")
@@ -458,11 +501,12 @@ def _chunk(c: dict[str, Any], whole: Box, itemsize: int, tables: list[str] | Non
     raw_box = c["box"]
     if not (isinstance(raw_box, list) and len(raw_box) == 2):
         raise ValueError(f"a box is [offsets, sizes], got {raw_box!r}")
-    offsets, sizes = tuple(_int(v) for v in raw_box[0]), tuple(_int(v) for v in raw_box[1])
+    offsets, sizes = _ints(raw_box[0]), _ints(raw_box[1])
+    ends = tuple(map(int.__add__, offsets, sizes))
     if not (len(offsets) == len(sizes) == whole.ndim
-            and all(o + s <= w for o, s, w in zip(offsets, sizes, whole.sizes, strict=True))):
+            and all(map(int.__le__, ends, whole.sizes))):
         raise ValueError(f"box {raw_box} outside shape {list(whole.sizes)}")
-    box = Box(offsets, sizes)
+    box = Box._of(offsets, sizes, ends)  # checked just above
     length = _int(c["length"])
     if length != box.numel * itemsize:
         raise ValueError(f"a chunk of {box.numel} elements claims {length} bytes")
