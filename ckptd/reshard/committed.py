@@ -10,14 +10,16 @@ away, not damaged: loading the newest step retries once; loading a named step sa
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd import gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
 from ckptd.manifest import catalog, layout
-from ckptd.reshard.load import load_into
+from ckptd.reshard.load import last_stats, load_into
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 
@@ -59,14 +61,22 @@ class Reader:
     pool: ThreadPoolExecutor  # the I/O threads
 
     def load_step(self, described: Described, step: int, strict: bool) -> LoadResult:
-        manifest = catalog.read_manifest(self.storage, step)
-        nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
-                           rank=self.rank, world_size=self.world_size, strict=strict,
-                           pool=self.pool)
-        url = f"{self.storage.url}/{layout.step_dir(step)}"
-        frames = manifest.frames.fetched_frames if manifest.frames is not None else 0
-        return LoadResult(step, url, nbytes, dict(manifest.training),
-                          tensors_decoded=len(manifest.decoded), frames_read=frames)
+        with gcpause.paused():  # the decoded manifest's objects: see ckptd/gcpause.py
+            cpu0 = time.thread_time()
+            manifest = catalog.read_manifest(self.storage, step)
+            cpu_read = time.thread_time() - cpu0
+            nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
+                               rank=self.rank, world_size=self.world_size, strict=strict,
+                               pool=self.pool)
+            stats = last_stats()
+            if stats is not None:
+                stats.metadata_cpu_s += cpu_read
+            url = f"{self.storage.url}/{layout.step_dir(step)}"
+            frames = manifest.frames.fetched_frames if manifest.frames is not None else 0
+            result = LoadResult(step, url, nbytes, dict(manifest.training),
+                                tensors_decoded=len(manifest.decoded), frames_read=frames)
+            del manifest  # freed by reference counts, before the collector is back
+        return result
 
     def load_named(self, described: Described, step: int, strict: bool) -> LoadResult:
         try:

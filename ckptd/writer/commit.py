@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ckptd import config, errors
+from ckptd import config, errors, gcpause
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
@@ -75,7 +75,7 @@ def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
     out = []
     for name in storage.list_dir(d):
         if layout.is_partial(name):
-            out.append(decode(storage.read_bytes(f"{d}/{name}"), f"{d}/{name}"))
+            out.append(decode(storage.read_bytes(f"{d}/{name}"), f"{d}/{name}", eager=True))
     return out
 
 
@@ -207,7 +207,7 @@ def coordinate(
     generation: int = 0,
     overwrite: bool = False,
     signals: Signals | None = None,
-) -> Manifest:
+) -> None:
     """Wait for every rank's partial of ``attempt``, merge them, commit. A rank's failure record
     fails the step at once, naming that rank. On failure, leave a FAILED marker (so the other
     ranks stop waiting) and raise; ``latest`` is untouched."""
@@ -231,11 +231,13 @@ def coordinate(
                     f"step {step}: ranks {missing} did not finish their share within "
                     f"{config.get().commit_timeout_s:.0f}s; not committed"
                 )
-        manifest = replace(merge(read_partials(storage, step, attempt)), generation=generation)
-        commit(storage, manifest, run_id, overwrite=overwrite)
+        with gcpause.paused():  # a thousand partials' objects: see ckptd/gcpause.py
+            manifest = replace(merge(read_partials(storage, step, attempt)),
+                               generation=generation)
+            commit(storage, manifest, run_id, overwrite=overwrite)
+            del manifest  # freed by reference counts, before the collector is back
         committed = True
         signals.publish_committed(attempt)
-        return manifest
     except BaseException as e:
         if not committed:
             # a rank's failure is already published; anything else is the commit's own
