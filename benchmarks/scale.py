@@ -14,16 +14,22 @@ Figures are CPU seconds of this process (``time.process_time``), not wall:
 - manifest: bytes of ``manifest.json`` (and of the frame tables beside the data); partial bytes
   are the largest rank's partial;
 - coordinator: rank 0's ``save_async(...).result()`` (its own small share, reading every partial,
-  the merge and coverage check, the commit) while ranks 1 … W-1 wait;
+  the merge and coverage check, the commit) while ranks 1 … W-1 wait. Their waiting threads live
+  in this process and poll meanwhile; their CPU (read per thread from its clock) is subtracted
+  and shown in parentheses: in a job they are other processes;
 - learn committed: one non-coordinator's check that its attempt committed, on storage (with a
   process group the coordinator's c10d store answers first: a key lookup);
-- load: one rank's ``load`` at W/2 and at 3W/4: CPU, peak Python-heap bytes (tracemalloc, in a
-  second identical load), manifest entries decoded, frames read;
+- load: one rank's ``load`` at W/2 and at 3W/4, median of three: the CPU of the whole load
+  (every thread: the tiny data's reads and copies too, with the real frame counts) and, in
+  parentheses, of its metadata (``LoadStats.metadata_cpu_s``: reading and decoding the manifest,
+  the check, the plan); peak Python-heap bytes (tracemalloc, in a further identical load),
+  manifest entries decoded, frames read;
 - full decode: what every rank paid before format 3 — every tensor's chunks and frames.
 
 Non-coordinator ranks wait for the commit in their save threads; while this process saves the
-other ranks their polls are slowed (``poll_min_s``) so a thousand waiting threads do not compete
-with the ranks being saved; rank 0 is timed after every partial is on disk.
+other ranks their polls are slowed (``poll_min_s`` 10 s) so a thousand waiting threads do not
+compete with the ranks being saved and the coordinator for this one interpreter (in a job each
+waits in its own process); rank 0 is timed after every partial is on disk.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -48,6 +56,7 @@ import ckptd  # noqa: E402
 from ckptd import config  # noqa: E402
 from ckptd.manifest import catalog  # noqa: E402
 from ckptd.manifest import layout as L  # noqa: E402
+from ckptd.reshard.load import last_stats  # noqa: E402
 from ckptd.storage.local import LocalStorage  # noqa: E402
 from ckptd.writer import commit  # noqa: E402
 
@@ -141,6 +150,24 @@ def peak_heap(fn, *args, **kw) -> int:  # type: ignore[no-untyped-def]
         tracemalloc.stop()
 
 
+class Waiters:
+    """The CPU seconds of every thread alive when made, but this one."""
+
+    def __init__(self) -> None:
+        me = threading.get_ident()
+        self.clocks = {t.ident: time.pthread_getcpuclockid(t.ident)
+                       for t in threading.enumerate() if t.ident not in (me, None)}
+        self.last: dict[int, float] = {}
+
+    def cpu(self) -> float:
+        for ident, clock in self.clocks.items():
+            try:
+                self.last[ident] = time.clock_gettime(clock)
+            except OSError:  # it ended: its last reading stands (the coordinator's figure
+                pass  # can only come out higher for it)
+        return sum(self.last.values())
+
+
 @dataclass
 class Row:
     model: str
@@ -154,6 +181,7 @@ class Row:
     partial_max_bytes: int
     save_all_s: float
     coordinator_s: float
+    waiters_s: float  # the other ranks' save threads polling meanwhile (excluded from the above)
     learn_committed_s: float
     full_decode_s: float
     loads: list[dict[str, float]]
@@ -165,9 +193,7 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
     run_id = f"scale{world}"
     step = 1
     with config.override(frame_bytes=(1 << 20) // scale, min_frame_bytes=(256 << 10) // scale,
-                         poll_min_s=2.0, poll_max_s=4.0, commit_timeout_s=3600.0):
-        first = ckptd.Checkpointer(root, rank=0, world_size=world, run_id=run_id, threads=1,
-                                   keep_last=0)
+                         poll_min_s=10.0, poll_max_s=20.0, commit_timeout_s=3600.0):
         others, handles = [], []
         t0 = time.process_time()
         for r in range(world - 1, 0, -1):
@@ -181,11 +207,17 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
         while sum(L.is_partial(n) for n in storage.list_dir(partials)) < world - 1:
             time.sleep(0.05)  # the last saves' threads are still writing their partials
         save_all = time.process_time() - t0
+        # every thread alive now is another rank's (its save thread waiting for the commit):
+        # their CPU is subtracted from the process's (in a real job they are other processes)
+        waiters = Waiters()
+        first = ckptd.Checkpointer(root, rank=0, world_size=world, run_id=run_id, threads=1,
+                                   keep_last=0)
         state0 = state_for(ps, layout_name, world, 0)
         gc.collect()
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), waiters.cpu()
         first.save_async(state0, step=step).result()
-        coordinator = time.process_time() - t0
+        waited = waiters.cpu() - w0
+        coordinator = time.process_time() - t0 - waited
         for h in handles:
             h.result()
         for c in [first, *others]:
@@ -211,14 +243,21 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
         reader = ckptd.Checkpointer(root, rank=rank, world_size=target, read_only=True,
                                     run_id=run_id, threads=1)
         dest = state_for(ps, layout_name, target, rank)
-        result, load_s = cpu(reader.load, dest, step=step)
+        runs, meta = [], []
+        for _ in range(3):  # a noisy host: the median of three
+            result, load_s = cpu(reader.load, dest, step=step)
+            stats = last_stats()
+            assert stats is not None
+            runs.append(load_s)
+            meta.append(stats.metadata_cpu_s)
         peak = peak_heap(reader.load, dest, step=step)
         reader.close()
-        loads.append({"world": target, "cpu_s": load_s, "peak_bytes": peak,
+        loads.append({"world": target, "cpu_s": statistics.median(runs),
+                      "metadata_cpu_s": statistics.median(meta), "peak_bytes": peak,
                       "tensors_decoded": result.tensors_decoded,
                       "frames_read": result.frames_read, "bytes_read": result.nbytes_read})
     return Row(model, layout_name, world, len(ps) * 4, n_chunks, n_frames, manifest_bytes, tables,
-               partial_max, save_all, coordinator, learn, decode, loads)
+               partial_max, save_all, coordinator, waited, learn, decode, loads)
 
 
 def exponent(rows: list[Row], key) -> float | None:  # type: ignore[no-untyped-def]
@@ -236,20 +275,22 @@ def mb(n: float) -> str:
 
 def render(rows: list[Row]) -> str:
     out = ["| model, layout | W | tensors / chunks / frames | manifest (+ frame tables) | "
-           "largest partial | coordinator CPU | learn committed | full decode | "
-           "load at W/2, 3W/4: CPU, peak heap, entries decoded |",
+           "largest partial | coordinator CPU (others' polls) | learn committed | full decode | "
+           "load at W/2, 3W/4: CPU (of it metadata), peak heap, entries decoded |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         loads = "; ".join(
-            f"W={d['world']}: {d['cpu_s'] * 1e3:.0f} ms, {d['peak_bytes'] / 2**20:.1f} MiB, "
+            f"W={d['world']}: {d['cpu_s'] * 1e3:.0f} ms ({d['metadata_cpu_s'] * 1e3:.0f} ms), "
+            f"{d['peak_bytes'] / 2**20:.1f} MiB, "
             f"{d['tensors_decoded']}" for d in r.loads)
         out.append(
             f"| {r.model}, {r.layout} | {r.world} | {r.tensors} / {r.chunks} / {r.frames} | "
             f"{mb(r.manifest_bytes)} (+{mb(r.tables_bytes)}) | {mb(r.partial_max_bytes)} | "
-            f"{r.coordinator_s:.2f} s | {r.learn_committed_s * 1e3:.1f} ms | "
+            f"{r.coordinator_s:.2f} s ({r.waiters_s:.2f} s) | {r.learn_committed_s * 1e3:.1f} ms | "
             f"{r.full_decode_s:.2f} s | {loads} |")
     for name, key in (("coordinator", lambda r: r.coordinator_s),
-                      ("load (3W/4)", lambda r: r.loads[-1]["cpu_s"])):
+                      ("load (3W/4)", lambda r: r.loads[-1]["cpu_s"]),
+                      ("load metadata (3W/4)", lambda r: r.loads[-1]["metadata_cpu_s"])):
         e = exponent(rows, key)
         if e is not None:
             out.append(f"\ngrowth of {name} CPU over W = 128 … {rows[-1].world}: W^{e:.2f}")

@@ -61,6 +61,9 @@ class LoadStats:
     # seconds per phase: check, plan, read (+ verify), agree, copy, reread (+ verify + copy),
     # broadcast
     seconds: dict[str, float] = field(default_factory=dict)
+    # CPU seconds of the calling thread for the metadata: reading and decoding the manifest,
+    # the check and the plan (the data's reads and copies excluded)
+    metadata_cpu_s: float = 0.0
 
 
 _last = threading.local()
@@ -192,6 +195,7 @@ def load_into(
     stats = LoadStats()
     _last.stats = stats
     clock = _Clock(stats.seconds)
+    cpu0 = time.thread_time()
     pieces = check(manifest, described, rank, strict, world_size)
     dist = dist_or_none()
     sharing = read_once.plan_sharing(pieces, storage) if dist is not None else None
@@ -220,6 +224,7 @@ def load_into(
                 kept = kept_suffix(plan.ranges, buffers, pool._max_workers,  # typeshed has it
                                    remote="://" in storage.url)
             clock("plan")
+            stats.metadata_cpu_s = time.thread_time() - cpu0
             held = run_ranges(files, plan.ranges, pool, buffers, hold=kept, stats=stats.reads)
         except Exception as e:  # noqa: BLE001 - raised by _agree, on every rank
             error = e
