@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                         r = multirank.run(_saves, args.world, os.path.join(root, f"c{busy}"),
                                           size, args.saves, agent, timeout=1800)[0]
                         rows.append((busy, "agent" if agent else "in process", r, fl))
-                    if busy == 0:
+                    if busy == 0 and args.world > 1:  # the restart is at world - 1 ranks
                         saved = os.path.join(root, f"c{busy}")
                         for agent in (True, False):
                             loads.append((_source(agent), multirank.run(
