@@ -65,3 +65,21 @@ def test_overlapping_pauses_of_two_threads_end_with_the_last():
     release.set()
     t.join()
     assert gc.isenabled()
+
+
+def test_the_offline_reshard_runs_with_the_collector_paused(tmp_path, monkeypatch):
+    from ckptd.cli import main as cli_main
+    from ckptd.reshard import offline
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    state = {"w": torch.arange(64.0)}
+    with ckptd.Checkpointer(src) as c:
+        c.save(state, step=1)
+    seen: list[tuple[str, bool]] = []
+    _watch(monkeypatch, offline.Resharder, "run", seen)
+    assert cli_main(["reshard", src, "--to-world", "2", "--out", dst]) == 0
+    assert [enabled for _, enabled in seen] == [False] and gc.isenabled()
+    dest = {"w": torch.zeros(64)}
+    with ckptd.Checkpointer(dst, read_only=True) as reader:
+        reader.load(dest)
+    assert torch.equal(dest["w"], state["w"])
