@@ -10,7 +10,10 @@ users' nodes are never idle), medians over ``--saves`` saves after a warm-up sav
   rank copying its state into a preallocated buffer, measured in the same run under the same
   contention;
 * **durable** (``save_async`` → every rank's ``result()``) next to the **write floor**: the same
-  bytes written and fsync'd by the ranks directly.
+  bytes written and fsync'd by the ranks directly;
+* the **CPU of the write**: every rank's process CPU from the end of its stall to its
+  ``result()`` (in process: its writer threads), plus with the agent the agent's CPU over the
+  save (``/proc/<pid>/stat``) — kernel threads (writeback) are in neither.
 
 and the **restart**: the newest step loaded at W - 1 ranks (a node lost, the job restarted
 smaller) from the agent's memory (``agent=True``) and from storage with a cold page cache
@@ -81,20 +84,28 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
 
     torch.set_num_threads(1)
     state = common.build_state(size, rank, world)
-    stalls, durable = [], []
+    stalls, durable, write_cpu = [], [], []
     with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
         assert agent == (ckpt._saver is not None and ckpt._saver.offload is not None)
+        agent_pid = ckpt._saver.offload.pid if agent else None  # type: ignore[union-attr]
         ckpt.reserve(state.ckptd_tree())
         for step in range(saves + 1):
             state.touch()
             dist.barrier()
+            a0 = _cpu_of(agent_pid) if agent_pid and rank == 0 else 0.0
             t0 = time.perf_counter()
             h = ckpt.save_async(state.ckptd_tree(), step=step)
             stall = time.perf_counter() - t0
+            c0 = time.process_time()
             h.result()
             done = time.perf_counter() - t0
+            mine = time.process_time() - c0  # this process after the stall (its writers)
+            dist.barrier()
+            if agent_pid and rank == 0:
+                mine += _cpu_of(agent_pid) - a0  # the agent's, for every rank of the node
             stalls.append(_slowest(stall))
             durable.append(_slowest(done))
+            write_cpu.append(_total(mine))
         # the training loop beside the background write: iterations/s while the save is in
         # flight against the same loop with nothing in flight, measured just before
         compute = common.Compute()
@@ -109,7 +120,21 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
             h.result()
             slowdowns.append(_slowest(idle / busy))
     return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:]),
-            "slowdown": statistics.median(slowdowns)}
+            "slowdown": statistics.median(slowdowns),
+            "write_cpu": statistics.median(write_cpu[1:])}
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _total(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
 
 
 def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str, float]:
@@ -240,13 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{common.fmt_bytes(size)} over {args.world} gloo ranks, median of {args.saves} "
           "saves (slowest rank)\n")
     print("| busy processes | mode | stall | memcpy floor | stall / floor | durable | "
-          "write floor | durable / floor | compute slowdown during the write |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "write floor | durable / floor | compute slowdown during the write | "
+          "CPU of the write (every rank after its stall, and the agent) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for busy, mode, r, fl in rows:
         print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
-              f"{r['slowdown']:.2f}× |")
+              f"{r['slowdown']:.2f}× | {r['write_cpu']:.2f} s |")
     if loads:
         print(f"\nrestart at {args.world - 1} ranks: load of the newest step (slowest rank)\n")
         print("| from | load | bytes read | from memory |\n|---|---:|---:|---:|")
