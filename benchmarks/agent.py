@@ -25,7 +25,9 @@ compute step (wall time from the launch to the first step done on every rank).
 
 and the **compute slowdown**: a training-like loop (``common.Compute``: matmuls and small ops)
 run while the save is in flight, its iterations/s against the same loop just before (the slowest
-rank's ratio; median over ``--saves`` more saves).
+rank's ratio; median over ``--saves`` more saves); its floor: the same loop while another
+process (its own session, like the agent) writes the same bytes with O_DIRECT and fsync from
+memory it prepared beforehand — what any background write costs training on this machine.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,7 +78,51 @@ def _floors(rank: int, world: int, root: str, size: int, saves: int) -> dict[str
         common.write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
         writes.append(_slowest(time.perf_counter() - t0))
         os.remove(path)
-    return {"memcpy": statistics.median(copies[1:]), "write": statistics.median(writes[1:])}
+    write = statistics.median(writes[1:])
+    return {"memcpy": statistics.median(copies[1:]), "write": write,
+            "slowdown": _floor_slowdown(rank, root, size, saves, write)}
+
+
+# the write floor as another process does it: the whole state (every rank's share) from memory
+# it allocated and touched beforehand, O_DIRECT + fsync, in a session of its own (as the agent)
+_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[3])
+import common
+buf = common.aligned_empty(int(sys.argv[2]))
+buf.fill_(1)
+print("ready", flush=True)
+sys.stdin.readline()
+common.write_fsync(sys.argv[1], memoryview(buf.numpy()), direct=True)
+"""
+
+
+def _floor_slowdown(rank: int, root: str, size: int, saves: int, write_s: float) -> float:
+    """The compute loop's slowdown while another process writes the same bytes: the least a
+    background write can take from training on this machine (median over ``saves``)."""
+    compute = common.Compute()
+    ratios = []
+    for i in range(saves):
+        writer = None
+        if rank == 0:
+            writer = subprocess.Popen(
+                [sys.executable, "-c", _WRITER, os.path.join(root, f"floor-w{i}.bin"), str(size),
+                 HERE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                start_new_session=True)
+            assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        dist.barrier()
+        idle = compute.rate_for(1.0)
+        dist.barrier()
+        if writer is not None:
+            assert writer.stdin is not None
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+        busy = compute.rate_for(0.8 * write_s)  # inside the write (it takes ~the floor)
+        ratios.append(_slowest(idle / busy))
+        if writer is not None:
+            writer.communicate()
+            os.remove(os.path.join(root, f"floor-w{i}.bin"))
+    return statistics.median(ratios)
 
 
 def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
@@ -272,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
-              f"{r['slowdown']:.2f}× | {r['write_cpu']:.2f} s |")
+              f"{r['slowdown']:.2f}× (floor {fl['slowdown']:.2f}×) | {r['write_cpu']:.2f} s |")
     if loads:
         print(f"\nrestart at {args.world - 1} ranks: load of the newest step (slowest rank)\n")
         print("| from | load | bytes read | from memory |\n|---|---:|---:|---:|")
