@@ -2,8 +2,9 @@
 
 Decoding a manifest (or a thousand partial manifests) creates hundreds of thousands of small
 objects that outlive the generation-0 threshold, so the collector runs again and again and every
-full collection walks everything the process holds: at a thousand ranks that was a third of a
-load's CPU and a quarter of the coordinator's merge (``benchmarks/scale.py``). Those objects hold
+full collection walks everything the process holds: at a thousand ranks it was the largest single
+cost of a load and of the coordinator's merge (``benchmarks/README.md``, *Decode and merge, the
+collector paused*). Those objects hold
 no reference cycles; reference counting frees them. While paused, cyclic garbage made by other
 threads (training continues beside the coordinator) is collected when the pause ends — seconds
 later, never lost.

@@ -87,7 +87,7 @@ def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> L
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """The process does nothing else: no cyclic collection while it decodes, plans and moves
-    ~50,000 pieces at --to-world 1024 (their objects hold no cycles; 8.5 → 6.0 s there)."""
+    ~50,000 pieces at --to-world 1024 (their objects hold no cycles; benchmarks/README.md)."""
     from ckptd import gcpause
 
     with gcpause.paused():

@@ -19,7 +19,7 @@ from typing import Any
 from ckptd import gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
 from ckptd.manifest import catalog, layout
-from ckptd.reshard.load import last_stats, load_into
+from ckptd.reshard.load import load_into
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 
@@ -64,13 +64,9 @@ class Reader:
         with gcpause.paused():  # the decoded manifest's objects: see ckptd/gcpause.py
             cpu0 = time.thread_time()
             manifest = catalog.read_manifest(self.storage, step)
-            cpu_read = time.thread_time() - cpu0
             nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
                                rank=self.rank, world_size=self.world_size, strict=strict,
-                               pool=self.pool)
-            stats = last_stats()
-            if stats is not None:
-                stats.metadata_cpu_s += cpu_read
+                               pool=self.pool, metadata_since=cpu0)
             url = f"{self.storage.url}/{layout.step_dir(step)}"
             frames = manifest.frames.fetched_frames if manifest.frames is not None else 0
             result = LoadResult(step, url, nbytes, dict(manifest.training),

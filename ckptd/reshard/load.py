@@ -190,12 +190,15 @@ def load_into(
     world_size: int,
     strict: bool,
     pool: ThreadPoolExecutor,
+    metadata_since: float | None = None,
 ) -> int:
-    """Fill ``described``'s destination from ``manifest``; returns the stored bytes read."""
+    """Fill ``described``'s destination from ``manifest``; returns the stored bytes read.
+    ``metadata_since``: this thread's ``time.thread_time()`` when the caller began reading the
+    manifest (``LoadStats.metadata_cpu_s`` counts from there; default: from this call)."""
     stats = LoadStats()
     _last.stats = stats
     clock = _Clock(stats.seconds)
-    cpu0 = time.thread_time()
+    cpu0 = time.thread_time() if metadata_since is None else metadata_since
     pieces = check(manifest, described, rank, strict, world_size)
     dist = dist_or_none()
     sharing = read_once.plan_sharing(pieces, storage) if dist is not None else None
