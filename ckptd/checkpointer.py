@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.world import agree_run_id, dist_or_none, resolve_world
+from ckptd.writer import exiting
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
 from ckptd.writer.signals import Signals
@@ -262,6 +264,14 @@ class Checkpointer:
 
 
 def _drain_at_exit() -> None:
+    # An unhandled error ends the process (the interpreter set sys.last_value on printing it),
+    # often a collective that failed because a peer died: wait for other ranks' part of the
+    # in-flight saves only error_exit_wait_s, for a dead rank's never comes (writer/exiting.py)
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        # (a rank that only waits to hear of the commit stops at once: it adds nothing)
+        exiting.begin(config.get().error_exit_wait_s,
+                      "this process is exiting after an unhandled error (error_exit_wait_s)",
+                      follow_s=0.0)
     for ckpt in list(_live):
         try:
             ckpt.close()

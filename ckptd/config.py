@@ -39,6 +39,15 @@ class Tunables:
     # How long the coordinator waits for every rank's partial manifest before giving up. A rank
     # that died mid-save therefore fails the commit after this long, leaving `latest` unchanged.
     commit_timeout_s: float = 600.0
+    # A process ending on an unhandled error (typically a collective that failed because a peer
+    # died) waits at most this long, from the moment it starts exiting, for the other ranks'
+    # part of its in-flight saves: their partials on the coordinator, the commit elsewhere. A
+    # killed rank's partial never comes, and torchrun restarts nobody while this process lives,
+    # so `commit_timeout_s` would hold the whole job that long. The process still finishes its
+    # own share first (its files and partial, or the hand-over to the node agent, which goes on
+    # without it); a coordinator that gives up fails the step, the previous one stays `latest`.
+    # A clean exit waits for the commit as before (up to `commit_timeout_s`).
+    error_exit_wait_s: float = 30.0
     # A manifest larger than this is refused before it is parsed (every rank parses the
     # manifest it loads; a manifest of padding would otherwise cost each rank GBs of memory).
     # The largest real manifests in benchmarks/scale.py's simulations (Llama-70B with Adam, TP 8

@@ -36,11 +36,11 @@ START_TIMEOUT_S = 60.0  # a cold start imports torch
 
 
 class _Ticket:
-    def __init__(self, done: Future[dict[str, Any]]) -> None:
-        self._done = done
+    def __init__(self, reply: Future[dict[str, Any]]) -> None:
+        self.reply = reply
 
     def wait(self) -> dict[str, Any]:
-        return self._done.result()
+        return self.reply.result()
 
 
 class AgentClient:

@@ -35,6 +35,7 @@ from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
 from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
 from ckptd.storage import Storage, open_storage
+from ckptd.writer import exiting
 
 log = logging.getLogger("ckptd.agent")
 
@@ -294,7 +295,11 @@ class Agent:
     def _drain(self) -> None:
         """Before the agent exits: the connected trainers' last saves (they come after the
         SIGTERM) until the trainers close or the grace window ends; every accepted job; the
-        newest steps' peer copies, inside the grace left."""
+        newest steps' peer copies, inside the grace left. A job's wait for other ranks (a
+        coordinator's for their partials, a rank's for the commit) ends with the grace window:
+        the batch system's SIGKILL follows it, and a dead rank's partial never comes."""
+        exiting.begin(max(0.0, self.grace_left()),
+                      f"the node agent is stopping and its {grace_s():g}s grace window ended")
         with self._idle:
             while (self._sessions or self._busy) and self.grace_left() > 0:
                 self._idle.wait(min(1.0, self.grace_left()))

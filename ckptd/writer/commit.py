@@ -31,6 +31,7 @@ from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
 from ckptd.manifest.envelope import PREFIX_BYTES, committed_attempt, open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
+from ckptd.writer import exiting
 from ckptd.writer.signals import Signals
 
 log = logging.getLogger("ckptd")
@@ -48,18 +49,28 @@ class Poller:
     at most about ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
     """
 
-    def __init__(self, storage: Storage, timeout_s: float) -> None:
+    def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False) -> None:
         self.first, self.longest = poll_interval(storage)
+        self.coordinating = coordinating  # which exit deadline applies (ckptd.writer.exiting)
         self.interval = self.first
-        self.deadline = time.monotonic() + timeout_s
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
         self.polls = 0
+        self.abandoned = False  # it ended early: the process is exiting on an error
 
     def wait(self) -> bool:
-        """Pause before the next poll; False (without pausing) once the deadline has passed."""
+        """Pause before the next poll; False (without pausing) once the deadline has passed,
+        or the earlier one of an exit after an error (:mod:`ckptd.writer.exiting`, which also
+        cuts a pause short); then :attr:`abandoned` says which."""
         now = time.monotonic()
-        if now >= self.deadline:
+        end = self.deadline
+        exit_at = exiting.deadline(self.started, coordinating=self.coordinating)
+        if exit_at is not None and exit_at < end:
+            end = exit_at
+        if now >= end:
+            self.abandoned = end != self.deadline
             return False
-        time.sleep(min(self.interval * _jitter.uniform(0.5, 1.0), self.deadline - now))
+        exiting.pause(min(self.interval * _jitter.uniform(0.5, 1.0), end - now))
         self.interval = min(self.interval * 2, self.longest)
         self.polls += 1
         return True
@@ -214,7 +225,7 @@ def coordinate(
     signals = signals or Signals(None)
     committed = False
     try:
-        poller = Poller(storage, config.get().commit_timeout_s)
+        poller = Poller(storage, config.get().commit_timeout_s, coordinating=True)
         d = layout.partials_dir(step, attempt)
         while True:
             names = storage.list_dir(d)
@@ -227,6 +238,10 @@ def coordinate(
             if not poller.wait():
                 have = sorted(int(n[:-5]) for n in present)
                 missing = sorted(set(range(world_size)) - set(have))
+                if poller.abandoned:
+                    raise exiting.Abandoned(
+                        f"step {step}: ranks {missing} had not finished their share; stopped "
+                        f"waiting: {exiting.reason()}; not committed")
                 raise CkptdError(
                     f"step {step}: ranks {missing} did not finish their share within "
                     f"{config.get().commit_timeout_s:.0f}s; not committed"
@@ -261,6 +276,11 @@ def wait_committed(
         if error is not None:
             raise error
         if not poller.wait():
+            if poller.abandoned:
+                raise exiting.Abandoned(
+                    f"step {step}: not committed yet; stopped waiting: {exiting.reason()}; "
+                    "this rank's share is in place: it commits if the coordinator gets every "
+                    "share")
             raise CkptdError(
                 f"step {step}: no commit after {config.get().commit_timeout_s:.0f}s "
                 "(coordinator dead?)"

@@ -11,13 +11,14 @@ may hand the save to a peer's agent (``handed_to``; ``docs/agent.md``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import layout
 from ckptd.storage import Storage
-from ckptd.writer import remote
+from ckptd.writer import exiting, remote
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.pipeline import RankWriter, stage
 from ckptd.writer.remote import AgentLost, Offload
@@ -89,7 +90,9 @@ class AgentHandover:
         assert job.ticket is not None and job.arena is not None
         share = job.share
         try:
-            reply = job.ticket.wait()
+            reply = exiting.result(job.ticket.reply, time.monotonic(),
+                                   f"step {share.step}: the node agent goes on with this "
+                                   "rank's share without this process")
         except AgentLost as e:
             self._agent_lost(e)
             partial = layout.partial_path(share.step, share.attempt, share.rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,8 @@ class AgentLost(CkptdError):
 
 
 class Ticket(Protocol):
+    reply: Future[dict[str, Any]]  # resolves as :meth:`wait` returns or raises
+
     def wait(self) -> dict[str, Any]:
         """The agent's reply once its part is done: ``nbytes``, ``write_s``; ``kept``: the
         agent holds on to the arena (the memory tier's copy of the step); ``released``: the

@@ -42,7 +42,7 @@ from ckptd.manifest import Chunk, TensorEntry, codecs, layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.storage.base import extended
-from ckptd.writer import commit, remote, retention
+from ckptd.writer import commit, exiting, remote, retention
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.files import gather
 from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
@@ -300,6 +300,10 @@ class Saver(AgentHandover):
                                 time.perf_counter() - t_staged, h.handed_to)
             self._record(result)
             h.mark_committed(result)
+        except exiting.Abandoned as e:  # the process exits: others may still finish it
+            log.warning("ckptd: %s", e)
+            h.mark_failed(e, reported=True)  # said once, here
+            return
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             log.error("ckptd: save of step %d failed: %s", share.step, e)
             h.mark_failed(e)
