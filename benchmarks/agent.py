@@ -1,14 +1,18 @@
 """The node agent against the in-process save: one state over W gloo ranks (local disk).
 
     python benchmarks/agent.py [--size 2GiB] [--world 4] [--saves 5] [--contend 0,2] [--dir DIR]
+                               [--gap 2] [--stall-only]  (--stall-only: no compute loop, no restart)
 
 Per mode (``inproc``: ``agent=False``; ``agent``: every rank hands its staged arena to one node
 agent) and per contention level (N busy processes spinning on the cores while the ranks save;
-users' nodes are never idle), medians over ``--saves`` saves after a warm-up save:
+users' nodes are never idle), medians over ``--saves`` saves after a warm-up save, ``--gap``
+seconds apart (default 2: real jobs train for minutes between saves, and the previous save's
+after-commit work — retention, the agent's bookkeeping — is done by the next; 0: back to back):
 
-* the **stall** (``save_async`` → returned; the slowest rank) next to the **memcpy floor**: each
-  rank copying its state into a preallocated buffer, measured in the same run under the same
-  contention;
+* the **stall** (``save_async`` → returned; the slowest rank), and of it the staging **copy**
+  (the rest: describing the state, planning, handing the job over), next to the **memcpy
+  floor**: each rank copying its state into a preallocated buffer, measured in the same run
+  under the same contention;
 * **durable** (``save_async`` → every rank's ``result()``) next to the **write floor**: the same
   bytes written and fsync'd by the ranks directly;
 * the **CPU of the write**: every rank's process CPU from the end of its stall to its
@@ -57,7 +61,8 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def _floors(rank: int, world: int, root: str, size: int, saves: int) -> dict[str, float]:
+def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loop: bool = True
+            ) -> dict[str, float]:
     torch.set_num_threads(1)
     state = common.build_state(size, rank, world)
     flat = [lf.local for lf in state.leaves]
@@ -80,7 +85,8 @@ def _floors(rank: int, world: int, root: str, size: int, saves: int) -> dict[str
         os.remove(path)
     write = statistics.median(writes[1:])
     return {"memcpy": statistics.median(copies[1:]), "write": write,
-            "slowdown": _floor_slowdown(rank, root, size, saves, write)}
+            "slowdown": (_floor_slowdown(rank, root, size, saves, write) if compute_loop
+                         else float("nan"))}
 
 
 # the write floor as another process does it: the whole state (every rank's share) from memory
@@ -125,13 +131,14 @@ def _floor_slowdown(rank: int, root: str, size: int, saves: int, write_s: float)
     return statistics.median(ratios)
 
 
-def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
-           ) -> dict[str, float]:
+def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
+           compute_loop: bool = True, gap_s: float = 0.0) -> dict[str, float]:
     import ckptd
 
     torch.set_num_threads(1)
     state = common.build_state(size, rank, world)
-    stalls, durable, write_cpu = [], [], []
+    stalls, copies, durable, write_cpu = [], [], [], []
+    copied = _time_staging_copies()
     with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
         assert agent == (ckpt._saver is not None and ckpt._saver.offload is not None)
         agent_pid = ckpt._saver.offload.pid if agent else None  # type: ignore[union-attr]
@@ -140,24 +147,30 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
             state.touch()
             dist.barrier()
             a0 = _cpu_of(agent_pid) if agent_pid and rank == 0 else 0.0
+            copied[0] = 0.0
             t0 = time.perf_counter()
             h = ckpt.save_async(state.ckptd_tree(), step=step)
             stall = time.perf_counter() - t0
+            copy = copied[0]
             c0 = time.process_time()
             h.result()
             done = time.perf_counter() - t0
+            # the training between two saves (minutes in real jobs): the previous save's
+            # after-commit work (retention, the agent's bookkeeping) is done before the next
+            time.sleep(gap_s)
             mine = time.process_time() - c0  # this process after the stall (its writers)
             dist.barrier()
             if agent_pid and rank == 0:
                 mine += _cpu_of(agent_pid) - a0  # the agent's, for every rank of the node
             stalls.append(_slowest(stall))
+            copies.append(_slowest(copy))
             durable.append(_slowest(done))
             write_cpu.append(_total(mine))
         # the training loop beside the background write: iterations/s while the save is in
         # flight against the same loop with nothing in flight, measured just before
         compute = common.Compute()
         slowdowns = []
-        for step in range(saves + 1, 2 * saves + 1):
+        for step in range(saves + 1, 2 * saves + 1) if compute_loop else ():
             state.touch()
             dist.barrier()
             idle = compute.rate_for(1.0)
@@ -166,9 +179,33 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool
             busy, _, _ = compute.rate_until(h.done)
             h.result()
             slowdowns.append(_slowest(idle / busy))
-    return {"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:]),
-            "slowdown": statistics.median(slowdowns),
+    return {"stall": statistics.median(stalls[1:]), "copy": statistics.median(copies[1:]),
+            "durable": statistics.median(durable[1:]),
+            "slowdown": statistics.median(slowdowns) if slowdowns else float("nan"),
             "write_cpu": statistics.median(write_cpu[1:])}
+
+
+def _time_staging_copies() -> list[float]:
+    """Wrap the staging copy (``ckptd.writer.pipeline.stage``, where the in-process save and
+    the hand-over to the agent call it, in the caller's thread) to add its seconds to the
+    returned cell: the stall is that copy plus the rest (describe, plan, the job's hand-over)."""
+    from ckptd.writer import handover
+    from ckptd.writer import save as save_mod
+
+    cell = [0.0]
+
+    def timed(fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cell[0] += time.perf_counter() - t0
+        return run
+
+    for module in (handover, save_mod):
+        module.stage = timed(module.stage)  # type: ignore[attr-defined]
+    return cell
 
 
 def _cpu_of(pid: int) -> float:
@@ -259,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--contend", default="0,2", help="busy processes, comma-separated")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--gap", type=float, default=2.0,
+                    help="seconds between a save's result() and the next save (0: back to back)")
+    ap.add_argument("--stall-only", action="store_true",
+                    help="only the save rows, without the compute loop (faster)")
     ap.add_argument("--first-step", default=None, help=argparse.SUPPRESS)  # a restarted rank
     ap.add_argument("--t0", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)
@@ -283,12 +324,13 @@ def main(argv: list[str] | None = None) -> None:
                     p.start()
                 try:
                     fl = multirank.run(_floors, args.world, root, size, args.saves,
-                                       timeout=1800)[0]
+                                       not args.stall_only, timeout=1800)[0]
                     for agent in (False, True):
                         r = multirank.run(_saves, args.world, os.path.join(root, f"c{busy}"),
-                                          size, args.saves, agent, timeout=1800)[0]
+                                          size, args.saves, agent, not args.stall_only,
+                                          args.gap, timeout=1800)[0]
                         rows.append((busy, "agent" if agent else "in process", r, fl))
-                    if busy == 0 and args.world > 1:  # the restart is at world - 1 ranks
+                    if busy == 0 and args.world > 1 and not args.stall_only:  # at world - 1
                         saved = os.path.join(root, f"c{busy}")
                         for agent in (True, False):
                             loads.append((_source(agent), multirank.run(
@@ -311,12 +353,14 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(agent_dir, ignore_errors=True)
     print(f"{common.fmt_bytes(size)} over {args.world} gloo ranks, median of {args.saves} "
           "saves (slowest rank)\n")
-    print("| busy processes | mode | stall | memcpy floor | stall / floor | durable | "
+    print("| busy processes | mode | stall | of it the copy | memcpy floor | stall / floor | "
+          "durable | "
           "write floor | durable / floor | compute slowdown during the write | "
           "CPU of the write (every rank after its stall, and the agent) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for busy, mode, r, fl in rows:
-        print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {fl['memcpy'] * 1e3:.0f} ms | "
+        print(f"| {busy} | {mode} | {r['stall'] * 1e3:.0f} ms | {r['copy'] * 1e3:.0f} ms | "
+              f"{fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
               f"{r['slowdown']:.2f}× (floor {fl['slowdown']:.2f}×) | {r['write_cpu']:.2f} s |")
