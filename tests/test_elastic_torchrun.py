@@ -272,6 +272,33 @@ def test_sigterm_during_an_async_save_ends_with_a_commit_and_exit_0(
     assert loaded_step == step
 
 
+def test_a_rank_killed_with_a_save_in_flight_does_not_hold_the_survivors_at_exit(
+        tmp_path: Path, workers: list[Workers], monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 2 dies without a word while step 50's save is in flight; ranks 0 and 1 fail in their
+    # next collective and exit with that error. Before, rank 0 (the coordinator) then waited
+    # commit_timeout_s (600 s) for rank 2's share at exit, and torchrun restarts nobody while a
+    # worker lives: the survivors must be gone well within this test's timeout.
+    monkeypatch.setenv("CKPTD_ERROR_EXIT_WAIT_S", "5")
+    gate = tmp_path / "gate"
+    w = Workers(tmp_path, 3, ["--ckpt", str(tmp_path / "ckpt"), "--steps", "1000", *ARGS,
+                              "--save-every", "50", "--gate", str(gate)])
+    workers.append(w)
+    for r in (0, 1, 2):  # staged on every rank, held at its first data write
+        w.wait_for(f"save of step 50 on rank {r}", lambda e, r=r: e["ev"] == "save"
+                   and e["step"] == 50 and e["rank"] == r)
+    w.procs[2].kill()
+    gate.touch()  # the survivors' own shares can be written now; rank 2's never will
+    codes = w.wait()
+    assert codes[2] == -signal.SIGKILL
+    assert codes[0] not in (0, None) and codes[1] not in (0, None), (codes, w.logs())
+    log0 = (tmp_path / "worker-0.log").read_text(errors="replace")
+    gave_up = [line for line in log0.splitlines() if "error_exit_wait_s" in line]
+    assert gave_up and "step 50: ranks [2]" in gave_up[0], log0[-3000:]
+    with ckptd.Checkpointer(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="r",
+                            read_only=True) as ckpt:
+        assert ckpt.latest_step() is None  # step 50 failed; nothing else was ever committed
+
+
 def test_the_cluster_leaves_no_process_behind_when_interrupted(tmp_path: Path) -> None:
     args = ["--ckpt", str(tmp_path / "ckpt"), "--steps", "100000", *ARGS, "--ref-world", "2",
             "--micro-batch", "3"]
