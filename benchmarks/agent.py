@@ -15,9 +15,10 @@ after-commit work — retention, the agent's bookkeeping — is done by the next
   under the same contention;
 * **durable** (``save_async`` → every rank's ``result()``) next to the **write floor**: the same
   bytes written and fsync'd by the ranks directly;
-* the **CPU of the write**: every rank's process CPU from the end of its stall to its
-  ``result()`` (in process: its writer threads), plus with the agent the agent's CPU over the
-  save (``/proc/<pid>/stat``) — kernel threads (writeback) are in neither.
+* the **CPU of the write**: every rank's process CPU from the end of its stall to the end of the
+  gap after its ``result()`` (in process: its writer threads, and rank 0's retention), plus with
+  the agent the agent's CPU over the same time (``/proc/<pid>/stat``) — kernel threads
+  (writeback) are in neither.
 
 and the **restart**: the newest step loaded at W - 1 ranks (a node lost, the job restarted
 smaller) from the agent's memory (``agent=True``) and from storage with a cold page cache
@@ -55,9 +56,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _slowest(seconds: float) -> float:
+def _slowest(seconds: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> float:
+    """Over every rank: the largest (or, with ``op=SUM``, the total) of ``seconds``."""
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -165,7 +167,7 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
             stalls.append(_slowest(stall))
             copies.append(_slowest(copy))
             durable.append(_slowest(done))
-            write_cpu.append(_total(mine))
+            write_cpu.append(_slowest(mine, dist.ReduceOp.SUM))
         # the training loop beside the background write: iterations/s while the save is in
         # flight against the same loop with nothing in flight, measured just before
         compute = common.Compute()
@@ -208,17 +210,15 @@ def _time_staging_copies() -> list[float]:
     return cell
 
 
+def _ratio(x: float) -> str:
+    return "—" if x != x else f"{x:.2f}×"  # NaN: not measured (--stall-only)
+
+
 def _cpu_of(pid: int) -> float:
     """User + system CPU seconds of process ``pid``."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _total(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
 
 
 def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str, float]:
@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{fl['memcpy'] * 1e3:.0f} ms | "
               f"{r['stall'] / fl['memcpy']:.2f}× | {r['durable'] * 1e3:.0f} ms | "
               f"{fl['write'] * 1e3:.0f} ms | {r['durable'] / fl['write']:.2f}× | "
-              f"{r['slowdown']:.2f}× (floor {fl['slowdown']:.2f}×) | {r['write_cpu']:.2f} s |")
+              f"{_ratio(r['slowdown'])} (floor {_ratio(fl['slowdown'])}) | "
+              f"{r['write_cpu']:.2f} s |")
     if loads:
         print(f"\nrestart at {args.world - 1} ranks: load of the newest step (slowest rank)\n")
         print("| from | load | bytes read | from memory |\n|---|---:|---:|---:|")

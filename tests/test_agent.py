@@ -293,7 +293,7 @@ def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
                "codec": "raw", "level": 0, "frame_bytes": 1 << 20,
                "commit": {"run_id": "x", "generation": 1, "overwrite": False, "keep_last": 0}}
         with pytest.raises(ckptd.CkptdError, match="does not fit"):
-            client.submit(arena, job).wait()
+            client.submit(arena, job).reply.result()
         assert client.alive  # a bad request fails that request, not the agent
 
 

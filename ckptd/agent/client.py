@@ -39,9 +39,6 @@ class _Ticket:
     def __init__(self, reply: Future[dict[str, Any]]) -> None:
         self.reply = reply
 
-    def wait(self) -> dict[str, Any]:
-        return self.reply.result()
-
 
 class AgentClient:
     """A connection to this node's agent for one Checkpointer (one rank, one root)."""

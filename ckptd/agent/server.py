@@ -298,7 +298,7 @@ class Agent:
         newest steps' peer copies, inside the grace left. A job's wait for other ranks (a
         coordinator's for their partials, a rank's for the commit) ends with the grace window:
         the batch system's SIGKILL follows it, and a dead rank's partial never comes."""
-        exiting.begin(max(0.0, self.grace_left()),
+        exiting.begin(self.grace_left(),
                       f"the node agent is stopping and its {grace_s():g}s grace window ended")
         with self._idle:
             while (self._sessions or self._busy) and self.grace_left() > 0:

@@ -15,17 +15,24 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ckptd.errors import CkptdError
 
 T = TypeVar("T")
 
+
+@dataclass(frozen=True)
+class _Exit:
+    started: float  # monotonic
+    wait_s: float  # a coordinator's wait for the other ranks' partials
+    follow_s: float  # any other wait: for the commit, for the node agent's reply
+    why: str
+
+
 _cond = threading.Condition()
-# "started" (monotonic), "wait_s" (a coordinator's wait for the other ranks) and "follow_s"
-# (any other wait: for the commit, for the node agent's reply), set once by begin()
-_state: dict[str, float] = {}
-_why: list[str] = []  # begin()'s reason
+_exit: _Exit | None = None  # set once, by begin()
 
 
 class Abandoned(CkptdError):
@@ -38,12 +45,12 @@ def begin(wait_s: float, why: str, *, follow_s: float | None = None) -> None:
     is later; any other wait (for the commit, for the node agent's reply: this process adds
     nothing to the outcome by waiting) ``follow_s`` after it (default: ``wait_s``). Only the
     first call counts."""
+    global _exit
     with _cond:
-        if "started" not in _state:
+        if _exit is None:
             wait_s = max(0.0, wait_s)
-            _state.update(started=time.monotonic(), wait_s=wait_s,
-                          follow_s=wait_s if follow_s is None else max(0.0, follow_s))
-            _why[:] = [why]
+            _exit = _Exit(time.monotonic(), wait_s,
+                          wait_s if follow_s is None else max(0.0, follow_s), why)
         _cond.notify_all()
 
 
@@ -82,25 +89,18 @@ def result(future: Future[T], since: float, what: str) -> T:
 
 
 def _deadline(since: float, coordinating: bool) -> float | None:
-    if "started" not in _state:
+    if _exit is None:
         return None
-    return max(since, _state["started"]) + _state["wait_s" if coordinating else "follow_s"]
+    return max(since, _exit.started) + (_exit.wait_s if coordinating else _exit.follow_s)
 
 
 def _reason() -> str:
-    return _why[0] if _why else "this process is exiting"
+    return _exit.why if _exit is not None else "this process is exiting"
 
 
 def _wake(_: object) -> None:
     with _cond:
         _cond.notify_all()
-
-
-def _reset() -> None:
-    """Forget a :func:`begin` (tests: a process that began exiting and carries on)."""
-    with _cond:
-        _state.clear()
-        _why.clear()
 
 
 __all__ = ["Abandoned", "begin", "deadline", "pause", "reason", "result"]

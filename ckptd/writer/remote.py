@@ -38,13 +38,11 @@ class AgentLost(CkptdError):
 
 
 class Ticket(Protocol):
-    reply: Future[dict[str, Any]]  # resolves as :meth:`wait` returns or raises
-
-    def wait(self) -> dict[str, Any]:
-        """The agent's reply once its part is done: ``nbytes``, ``write_s``; ``kept``: the
-        agent holds on to the arena (the memory tier's copy of the step); ``released``: the
-        ``data_ptr`` of arenas it let go of, free for the next saves. Raises
-        :class:`AgentLost`, or :class:`CkptdError` with the agent's reason."""
+    # The agent's reply once its part is done: ``nbytes``, ``write_s``; ``kept``: the agent
+    # holds on to the arena (the memory tier's copy of the step); ``released``: the
+    # ``data_ptr`` of arenas it let go of, free for the next saves. Or it raises
+    # :class:`AgentLost`, or :class:`CkptdError` with the agent's reason.
+    reply: Future[dict[str, Any]]
 
 
 class Offload(Protocol):
