@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from agent_procs import Agents, serve_agents
 
 # Small enough that the suite's objects span many parts and ranged GETs; moto's minimum matches.
 TEST_PART_BYTES = 64 << 10
@@ -188,3 +189,9 @@ def clean_sigterm() -> Iterator[None]:
     finally:
         preemption_module.uninstall()
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture
+def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
+    """Node agents of this test: its own agent directory and node id (``agent_procs``)."""
+    yield from serve_agents(monkeypatch)

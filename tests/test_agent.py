@@ -5,23 +5,20 @@ checks that no agent process is left."""
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
+from agent_procs import Agents, alive, fork_ranks, wait_until
 
 import ckptd
 from ckptd.agent import wire
@@ -38,76 +35,6 @@ def _state(step: int, rank: int) -> dict:
 
 def _expected(step: int) -> torch.Tensor:
     return torch.cat([_state(step, r)["model"]["w"].local for r in range(2)])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (our own child, not reaped yet) is not running
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    pause = 0.005
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
-
-
-class Agents:
-    def __init__(self, directory: str, node: str) -> None:
-        self.dir, self.node = directory, node
-        self.paths = wire.paths(node, directory)
-
-    def pid(self) -> int:
-        with open(self.paths["lock"]) as f:
-            return int(f.read())
-
-    def log(self) -> str:
-        with open(self.paths["log"]) as f:
-            return f.read()
-
-
-@pytest.fixture
-def agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
-    d = tempfile.mkdtemp(prefix="ckag")  # short: a socket path has at most 107 bytes
-    node = f"n{os.getpid()}-{random.randrange(1 << 30)}"
-    monkeypatch.setenv("CKPTD_AGENT_DIR", d)
-    monkeypatch.setenv("CKPTD_NODE_ID", node)
-    a = Agents(d, node)
-    started: list[int] = []
-    try:
-        yield a
-    finally:
-        for name in os.listdir(d):  # every node's agent (tests may simulate several nodes)
-            if name.endswith(".lock") and os.path.getsize(os.path.join(d, name)):
-                with open(os.path.join(d, name)) as f:
-                    started.append(int(f.read()))
-        for pid in started:
-            if _alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        try:
-            for pid in started:
-                _wait(lambda pid=pid: not _alive(pid), 30, f"agent {pid} to exit")
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-            for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
-                os.unlink(path)  # a killed agent's segments (the next agent would remove them)
-        def running() -> list[int]:  # a second agent started in a race exits by itself
-            out = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
-                                 capture_output=True, text=True).stdout.split()
-            return [int(p) for p in out if _alive(int(p))]
-
-        for pid in running():  # one that lost a start race and took the lock after ours died
-            os.kill(pid, signal.SIGTERM)
-        _wait(lambda: not running(), 30, "every agent to exit")
 
 
 def _load(root: str, step: int | None = None) -> tuple[int, dict]:
@@ -160,7 +87,7 @@ def _kill_loop(root: str, agents: Agents, points: int, seed: int) -> None:
             assert p.exitcode == -signal.SIGKILL
         pids.add(agents.pid())
         # the agent commits the staged step without its trainers
-        _wait(lambda s=steps[-1]: _latest(root) == s, 60, f"step {steps[-1]} to commit")
+        wait_until(lambda s=steps[-1]: _latest(root) == s, 60, f"step {steps[-1]} to commit")
         got, dst = _load(root)
         assert got == steps[-1]
         assert torch.equal(dst["model"]["w"], _expected(got)), f"step {got} is torn"
@@ -223,9 +150,9 @@ def test_an_agent_that_stops_answering_is_noticed_and_replaced_by_the_trainer(
             h = c.save_async(_big(2))
             assert h.result().step == 2
             assert time.monotonic() - t0 < 30
-            _wait(lambda: not _alive(pid), 10, "the hung agent to be killed")
+            wait_until(lambda: not alive(pid), 10, "the hung agent to be killed")
         finally:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGCONT)
     _check(root, 1)
     _check(root, 2)
@@ -308,7 +235,7 @@ def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):
     cmd = [sys.executable, "-m", "ckptd.agent", "--node", agents.node, "--dir", agents.dir]
     first = subprocess.Popen([*cmd, "--idle-exit", "120"], stderr=subprocess.DEVNULL)
     try:
-        _wait(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
+        wait_until(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert second.returncode == 0
         assert "another agent serves node" in second.stderr
@@ -371,15 +298,8 @@ def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
 
 
 def _ranks(target, args_of, world: int) -> list:
-    ctx = mp.get_context("fork")
     out = []
-    procs = []
-    for rank in range(world):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(*args_of(rank), child))
-        p.start()
-        procs.append((p, parent))
-    for p, parent in procs:
+    for p, parent in fork_ranks(target, args_of, world):
         assert parent.poll(120), "a rank did not finish"
         out.append(parent.recv())
         p.join()
@@ -413,7 +333,7 @@ def test_a_lost_node_s_part_comes_from_storage_the_rest_from_memory(tmp_path, ag
     _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
     pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
     os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
-    _wait(lambda: not _alive(pid_b), 10, "node b's agent to die")
+    wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
     rank1 = {p: n for p, n in _data_bytes(root, 1).items() if "/r00001" in p}
     assert rank1
     got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
@@ -468,17 +388,11 @@ def test_a_step_that_never_commits_does_not_push_the_committed_one_out_of_memory
         tmp_path, agents):
     root = str(tmp_path / "root")
     a, b = agents.node, agents.node + "-b"
-    ctx = mp.get_context("fork")
-    procs = []
-    for rank, node in enumerate((a, b)):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_save_then_stall, args=(root, rank, node, child))
-        p.start()
-        procs.append((p, parent))
+    procs = fork_ranks(_save_then_stall, lambda r: (root, r, (a, b)[r]), 2)
     for _, parent in procs:
         assert parent.poll(120) and parent.recv() == "saved"
     # node b's agent wrote step 2 (files and partial) and keeps it beside step 1
-    _wait(lambda: _holds_step(root, b, 1, 2), 60, "node b's agent to hold step 2")
+    wait_until(lambda: _holds_step(root, b, 1, 2), 60, "node b's agent to hold step 2")
     for p, _ in procs:
         os.kill(p.pid, signal.SIGKILL)
         p.join()
@@ -507,10 +421,10 @@ def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatc
     a, b = agents.node, agents.node + "-b"
     _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
     # each agent sends its node's part to the other (a ring of two), after the commit
-    _wait(lambda: _holds(root, a, 1) and _holds(root, b, 0), 60, "the peer copies")
+    wait_until(lambda: _holds(root, a, 1) and _holds(root, b, 0), 60, "the peer copies")
     pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
     os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
-    _wait(lambda: not _alive(pid_b), 10, "node b's agent to die")
+    wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
     for path in _data_bytes(root, 1):  # and storage cannot serve the data either
         os.remove(path)
     got = _ranks(_load_on, lambda r: (root, r, 3, a), 3)
@@ -568,7 +482,7 @@ def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch,
                     {"step-000000099/data/x/r00000-0.bin": memoryview(b"x" * 64)}, lambda: None)
     with pytest.raises(ConnectionError, match="refused this agent"):
         intruder._send(me, item)
-    _wait(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
+    wait_until(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
     c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
     try:
         assert all("step-000000099" not in p for p in c.kept().files)
@@ -593,7 +507,7 @@ def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, a
            "--memory-budget", "1MiB"]
     agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
-        _wait(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
+        wait_until(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
         root = str(tmp_path / "root")
         with caplog.at_level(logging.WARNING, logger="ckptd"):
             with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
@@ -615,7 +529,7 @@ def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, mon
                               agents.dir, "--memory-budget", "1.5MiB"],
                              stderr=open(wire.paths(b, agents.dir)["log"], "ab"))
     try:
-        _wait(lambda: os.path.exists(wire.paths(b, agents.dir)["sock"]), 60, "node b's agent")
+        wait_until(lambda: os.path.exists(wire.paths(b, agents.dir)["sock"]), 60, "node b's agent")
         root = str(tmp_path / "root")
         # the trainers stay: a gone trainer's kept step is dropped to make room, and the
         # copy would then fit (whether it does would depend on which comes first)
@@ -628,9 +542,9 @@ def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, mon
         try:
             for parent, _ in pipes:
                 assert parent.poll(120) and parent.recv() == "saved"
-            _wait(lambda: _holds(root, a, 1), 60, "node b's part on node a")
+            wait_until(lambda: _holds(root, a, 1), 60, "node b's part on node a")
             log_b = open(wire.paths(b, agents.dir)["log"]).read
-            _wait(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
+            wait_until(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
             assert not _holds(root, b, 0)
         finally:
             for parent, _ in pipes:
@@ -719,7 +633,7 @@ def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer
             assert first.handed_to is None
             pid_a = agents.pid()
             os.kill(pid_a, signal.SIGTERM)
-            _wait(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
+            wait_until(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
             # the trainer's last save comes after the SIGTERM: a still takes it, cannot write
             # it in the grace left, and hands it to b, which writes and commits it
             h = c.save_async(_big(2))
@@ -727,7 +641,7 @@ def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer
             assert h.handed_to == b
             second = h.result(60)
             assert second.handed_to == b
-        _wait(lambda: not _alive(pid_a), 30, "node a's agent to exit once its trainer closed")
+        wait_until(lambda: not alive(pid_a), 30, "node a's agent to exit once its trainer closed")
         _check(root, 2)
         assert _latest(root) == 2
         (record,) = _handoff_records(root, 2)
@@ -748,7 +662,7 @@ def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_pat
     with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
         c.save(_big(1))
         os.kill(agents.pid(), signal.SIGTERM)
-        _wait(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
+        wait_until(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
         assert c.save(_big(2)).handed_to is None  # late, perhaps, but not lost
     _check(root, 2)
     assert _handoff_records(root, 2) == []
@@ -792,7 +706,7 @@ def test_a_hand_off_gives_up_on_a_peer_that_never_answers_when_the_grace_window_
         with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
             c.save(_big(1))
             os.kill(agents.pid(), signal.SIGTERM)
-            _wait(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
+            wait_until(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
             t0 = time.monotonic()
             assert c.save(_big(2)).handed_to is None
             # a bound on the failure only: the old fixed socket timeout was 60 s
@@ -825,7 +739,7 @@ def test_a_preemption_save_the_node_cannot_write_in_time_is_safe_via_a_peer_and_
             run.save(_big(1))
             run.step_done()
             os.kill(agents.pid(), signal.SIGTERM)  # the node is being preempted: its agent
-            _wait(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
+            wait_until(lambda: "stopping;" in agents.log(), 30, "node a's agent to see the SIGTERM")
             os.kill(os.getpid(), signal.SIGTERM)  # ... and its trainer
             assert ckptd.preempted()
             out = run.save_on_preemption(_big(2))

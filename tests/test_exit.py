@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_agent import agents  # noqa: F401 - the fixture: its own agent directory, cleaned up
 
 import ckptd
 

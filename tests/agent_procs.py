@@ -1,0 +1,115 @@
+"""Node agents in tests: processes to watch, and the ``agents`` fixture's body (declared in
+conftest.py): every test gets its own agent directory and node id; the fixture stops every
+agent started in it and checks that none is left."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+
+import pytest
+
+from ckptd.agent import wire
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (our own child, not reaped yet) is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+
+
+class Agents:
+    def __init__(self, directory: str, node: str) -> None:
+        self.dir, self.node = directory, node
+        self.paths = wire.paths(node, directory)
+
+    def pid(self) -> int:
+        with open(self.paths["lock"]) as f:
+            return int(f.read())
+
+    def log(self) -> str:
+        with open(self.paths["log"]) as f:
+            return f.read()
+
+
+def serve_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
+    """The ``agents`` fixture (conftest.py): its own agent directory and node id; at the end
+    every agent started in it is stopped, and none may be left running."""
+    d = tempfile.mkdtemp(prefix="ckag")  # short: a socket path has at most 107 bytes
+    node = f"n{os.getpid()}-{random.randrange(1 << 30)}"
+    monkeypatch.setenv("CKPTD_AGENT_DIR", d)
+    monkeypatch.setenv("CKPTD_NODE_ID", node)
+    a = Agents(d, node)
+    started: list[int] = []
+    try:
+        yield a
+    finally:
+        for name in os.listdir(d):  # every node's agent (tests may simulate several nodes)
+            if name.endswith(".lock") and os.path.getsize(os.path.join(d, name)):
+                with open(os.path.join(d, name)) as f:
+                    started.append(int(f.read()))
+        for pid in started:
+            if alive(pid):
+                os.kill(pid, signal.SIGTERM)
+        try:
+            for pid in started:
+                wait_until(lambda pid=pid: not alive(pid), 30, f"agent {pid} to exit")
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+            for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
+                os.unlink(path)  # a killed agent's segments (the next agent would remove them)
+        def running() -> list[int]:  # a second agent started in a race exits by itself
+            out = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
+                                 capture_output=True, text=True).stdout.split()
+            return [int(p) for p in out if alive(int(p))]
+
+        for pid in running():  # one that lost a start race and took the lock after ours died
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not running(), 30, "every agent to exit")
+
+
+def fork_ranks(target: Callable[..., None], args_of: Callable[[int], tuple],
+               world: int) -> list[tuple[mp.Process, Connection]]:
+    """``target(*args_of(rank), pipe)`` in a forked process per rank, started: each process
+    with the parent's end of its pipe."""
+    ctx = mp.get_context("fork")
+    procs = []
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(*args_of(rank), child))
+        p.start()
+        procs.append((p, parent))
+    return procs
+
+
+def reap(procs: list[tuple[mp.Process, Connection]]) -> None:
+    """SIGKILL whichever of ``procs`` still runs (a failed test leaves none waiting on its
+    pipe) and join them all."""
+    for p, _ in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
