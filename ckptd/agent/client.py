@@ -68,9 +68,11 @@ class AgentClient:
     @classmethod
     def connect(cls, storage: dict[str, Any], *, threads: int, start: bool = True,
                 node: str | None = None, directory: str | None = None,
-                timeout_s: float = 5.0) -> AgentClient:
+                timeout_s: float = 5.0, trainer: tuple[str, int] | None = None) -> AgentClient:
         """This node's agent, started (detached, its own session) if none answers and
-        ``start``. ``storage``: ``{"url", "options"}`` of the root the saves go to."""
+        ``start``. ``storage``: ``{"url", "options"}`` of the root the saves go to;
+        ``trainer``: the run id and rank of the Checkpointer it serves (a peer may ask whether
+        its saves can still come: :mod:`ckptd.agent.orphans`)."""
         node = node or wire.node_id()
         paths = wire.paths(node, directory or wire.agent_dir())
         sock = _try_connect(paths["sock"])
@@ -85,7 +87,8 @@ class AgentClient:
         if sock is None:
             raise CkptdError(f"no ckptd agent answers at {paths['sock']} (log: {paths['log']})")
         client = cls(sock, storage, timeout_s)
-        hello = client._request({"op": "hello", "threads": threads, "storage": storage})
+        hello = client._request({"op": "hello", "threads": threads, "storage": storage,
+                                 **({"run": trainer[0], "rank": trainer[1]} if trainer else {})})
         if hello.get("op") == "refused":
             raise wire.Refused(str(hello.get("error")))
         client.keep = int(hello.get("keep", 0))
@@ -282,7 +285,8 @@ def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] 
     try:
         client = AgentClient.connect(
             {"url": root, "options": storage_options}, threads=threads,
-            timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")))
+            timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")),
+            trainer=(run_id, rank))
         # a previous incarnation's last saves commit before this one claims the root
         busy = client.drain(run_id, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
         if busy:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,9 +28,11 @@ from ckptd.writer import remote
 log = logging.getLogger("ckptd.agent")
 
 
-def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: str) -> None:
+def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: str,
+          give_up: Callable[[list[int]], str | None] | None = None) -> None:
     """Write the handed-over job ``header["job"]`` whose staged bytes are ``staged``: its
-    record, its files, its partial; on rank 0 the commit, then retention."""
+    record, its files, its partial; on rank 0 the commit (``give_up``: its, as in
+    :func:`ckptd.writer.remote.run`), then retention."""
     job = remote.decode(header["job"], staged)  # every slot checked against the bytes received
     share = job.share
     record = {"step": share.step, "rank": share.rank, "from": str(header["origin"]),
@@ -43,7 +46,7 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     background()  # like this node's own saves: its training answers first
     with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io",
                             initializer=background) as io:
-        out = remote.run(storage, io, job, staged)
+        out = remote.run(storage, io, job, staged, give_up)
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
                 header["origin"], share.rank, share.step, out["nbytes"],
                 ", committed" if share.rank == 0 else "")

@@ -69,7 +69,7 @@ def _recv_into(sock: socket.socket, into: memoryview) -> None:
         got += k
 
 
-def _answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
+def answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
     """The connecting side of the challenge :meth:`PeerServer._handle` poses: the HMAC of its
     nonce; ``ConnectionError(refused)`` if the answer is not accepted."""
     nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
@@ -87,6 +87,9 @@ Lookup = Callable[[dict[str, Any], str], tuple[memoryview, Callable[[], None]] |
 Accept = Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None]
 
 
+Answer = Callable[[dict[str, Any]], dict[str, Any]]
+
+
 class PeerServer:
     """Receives peer copies and hand-offs and answers range reads, from agents and loaders of
     the same job.
@@ -95,12 +98,14 @@ class PeerServer:
     is received (True) or the transfer failed (False); None refuses it. ``take_over`` does the
     same for a hand-off (``header["op"] == "handoff"``: a stopping agent's save, to be written
     here). ``lookup(spec, path)`` gives a file held in memory and what to call when it has been
-    read; None if not held."""
+    read; None if not held. ``holds(question)`` answers which shares this agent writes or
+    awaits (``question["op"] == "holds"``: :mod:`ckptd.agent.orphans`)."""
 
     def __init__(self, secret: bytes, host: str, accept: Accept,
-                 lookup: Lookup | None = None, take_over: Accept | None = None) -> None:
+                 lookup: Lookup | None = None, take_over: Accept | None = None,
+                 holds: Answer | None = None) -> None:
         self.secret, self._accept, self._lookup = secret, accept, lookup
-        self._take_over = take_over
+        self._take_over, self._holds = take_over, holds
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -130,6 +135,10 @@ class PeerServer:
                 header = wire.recv(conn, 64 << 20)
                 if header.get("op") == "read":
                     self._reads(conn, header)
+                    return
+                if header.get("op") == "holds":
+                    wire.send(conn, self._holds(header) if self._holds is not None else
+                              {"ok": False, "error": "no answer to that here"})
                     return
                 total = sum(int(n) for n in header["files"].values())
                 if header.get("op") == "handoff":
@@ -216,7 +225,7 @@ class PeerReads:
         sock = socket.create_connection(address, timeout=min(self.timeout_s, 5.0))
         try:
             sock.settimeout(self.timeout_s)
-            _answer_challenge(sock, self.secret,
+            answer_challenge(sock, self.secret,
                               f"agent at {address[0]}:{address[1]} refused this job")
         except BaseException:
             sock.close()
@@ -254,6 +263,11 @@ class Replicator:
                "pid": os.getpid(), "time": time.time()}
         storage.put_atomic(f"{REGISTRY}/{self.node}.json", json.dumps(doc).encode())
         self._registered.add(storage.url)
+
+    def registered(self, storage: Storage) -> bool:
+        """Whether this agent announced itself under the root (then :meth:`peers` is every
+        other node of the job that did)."""
+        return storage.url in self._registered
 
     def submit(self, item: Outgoing) -> None:
         with self._idle:
@@ -385,7 +399,7 @@ class Replicator:
         with socket.create_connection((peer["host"], int(peer["port"])),
                                       timeout=timeout()) as s:
             bound(s)
-            _answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
+            answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
             wire.send(s, header)
             if not wire.recv(s, 4096).get("ok"):
                 return False
@@ -408,4 +422,5 @@ class Replicator:
             return True
 
 
-__all__ = ["Outgoing", "PeerReads", "PeerServer", "Replicator", "job_secret"]
+__all__ = ["Outgoing", "PeerReads", "PeerServer", "Replicator", "answer_challenge",
+           "job_secret"]

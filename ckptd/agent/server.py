@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptd.agent import handoff, wire
+from ckptd.agent import handoff, orphans, wire
 from ckptd.agent.memory import Kept, Memory, OverBudget
+from ckptd.agent.orphans import JobKey
 from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
 from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
@@ -62,6 +63,7 @@ class Agent:
         self._busy = 0  # jobs accepted and not finished, over all sessions
         self._writing = 0  # bytes of the saves being written here (claim / release)
         self._runs: dict[str, int] = {}  # the same, by run id
+        self.shares = orphans.Shares()  # by attempt and rank, for peers' questions
         self._idle_since = time.monotonic()
         self._storages: dict[str, Storage] = {}
         self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
@@ -162,7 +164,8 @@ class Agent:
             log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
             return
         self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
-                                self._peer_accept, self._peer_lookup, self._take_over)
+                                self._peer_accept, self._peer_lookup, self._take_over,
+                                self.shares.answer)
         rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
         self.replicator = Replicator(self.node, secret, self.peers.address,
                                      int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
@@ -197,31 +200,32 @@ class Agent:
         """A stopping peer's save, to write here: refused when this agent stops too."""
         if self.stopping.is_set():
             return None
-        run = str(header["job"]["commit"]["run_id"])  # a malformed header fails before memory
+        job = JobKey.of(header["spec"], header["job"])  # a malformed header fails before memory
         seg = self._room_for(header, total, "handoff")
         if seg is None:
             return None
-        self.job_started(run)  # a restart on this node waits for it (``drain``)
+        self.job_started(job)  # a restart on this node waits for it (``drain``)
 
         def finish(ok: bool) -> None:
             if not ok:
                 self.memory.forget(seg)
-                self.job_ended(run)
+                self.job_ended(job)
                 return
-            threading.Thread(target=self._write_handed, args=(header, seg, run),
+            threading.Thread(target=self._write_handed, args=(header, seg, job),
                              name="ckptd-handoff", daemon=True).start()
 
         return seg.view()[:total], finish
 
-    def _write_handed(self, header: dict[str, Any], seg: Segment, run: str) -> None:
+    def _write_handed(self, header: dict[str, Any], seg: Segment, job: JobKey) -> None:
         try:
-            handoff.write(self.storage(header["spec"]), header, seg.tensor, self.node)
+            handoff.write(self.storage(header["spec"]), header, seg.tensor, self.node,
+                          self.give_up(header["spec"], job))
         except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
             log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
                       header.get("origin"), header.get("rank"), header.get("step"), e)
         finally:
             self.memory.forget(seg)
-            self.job_ended(run)
+            self.job_ended(job)
 
     def _peer_lookup(self, spec: dict[str, Any],
                      path: str) -> tuple[memoryview, Callable[[], None]] | None:
@@ -346,17 +350,26 @@ class Agent:
                 self._idle.wait(deadline - time.monotonic())
             return busy()
 
-    def job_started(self, run: str) -> None:
+    def job_started(self, job: JobKey) -> None:
+        self.shares.writing(job.root, job.attempt, job.rank, +1)
         with self._lock:
             self._busy += 1
-            self._runs[run] = self._runs.get(run, 0) + 1
+            self._runs[job.run] = self._runs.get(job.run, 0) + 1
 
-    def job_ended(self, run: str) -> None:
+    def job_ended(self, job: JobKey) -> None:
+        self.shares.writing(job.root, job.attempt, job.rank, -1)
         with self._lock:
             self._busy -= 1
-            self._runs[run] -= 1
+            self._runs[job.run] -= 1
             self._idle_since = time.monotonic()
             self._idle.notify_all()
+
+    def give_up(self, spec: dict[str, Any], job: JobKey) -> Callable[[list[int]], str | None]:
+        """When a coordinating job of ``job``'s run stops waiting for shares that cannot
+        come: its run was restarted on this node and no agent writes or awaits them
+        (:mod:`ckptd.agent.orphans`)."""
+        return orphans.give_up(self.replicator, self.storage(spec), self.shares, spec, job.run,
+                               job.attempt)
 
     def session_ended(self, session: Session) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd import config
 from ckptd.agent import wire
 from ckptd.agent.memory import Kept
+from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
 from ckptd.manifest import codecs, layout
 from ckptd.writer import remote
@@ -57,6 +58,8 @@ class Session:
         self._next_segment = 0
         self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
         self._next_lease = 0
+        self.root = ""  # the root its saves go to, and whose trainer it is (from its hello)
+        self.trainer: tuple[str, int] | None = None  # (run, rank)
 
     def reply(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
@@ -94,6 +97,8 @@ class Session:
                 if not self.agent.memory.is_kept(seg):
                     self.agent.memory.forget(seg)
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
+            if self.trainer is not None:
+                self.agent.shares.connected(self.root, *self.trainer, -1)
             self.agent.session_ended(self)
 
     def _heartbeat(self) -> None:
@@ -105,6 +110,10 @@ class Session:
         op, rid = msg.get("op"), msg.get("id")
         if op == "hello":
             spec = msg.get("storage") or {}
+            self.root = root_key(spec)
+            if self.trainer is None and msg.get("run") is not None:
+                self.trainer = (str(msg["run"]), int(msg["rank"]))
+                self.agent.shares.connected(self.root, *self.trainer, +1)
             if self.agent.replicator is not None and spec.get("url"):
                 # announced before the first save, so that every node's first copy finds its
                 # peers
@@ -131,10 +140,12 @@ class Session:
             # the trainer does not wait for an answer: a job that does not decode fails
             # through its "failed" reply
             seg = self.segments[int(msg["segment"])]
-            run = str(msg["job"]["commit"]["run_id"])
-            self.agent.job_started(run)
-            self._jobs.submit(self._run, int(msg["id"]), run, msg, int(msg["segment"]))
+            job = JobKey.of(msg["storage"], msg["job"])
+            self.agent.job_started(job)
+            self._jobs.submit(self._run, int(msg["id"]), job, msg, int(msg["segment"]))
         elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
+            # and they stop waiting for shares no agent writes or awaits (ckptd.agent.orphans)
+            self.agent.shares.started(self.root, str(msg["run"]))
             threading.Thread(target=self._drained,
                              args=(rid, str(msg["run"]), float(msg["timeout_s"])),
                              daemon=True).start()
@@ -179,7 +190,7 @@ class Session:
         left = self.agent.wait_idle(timeout_s, but=run)
         self.reply({"id": rid, "op": "drained", "busy": left})
 
-    def _run(self, rid: int, run: str, msg: dict[str, Any], seg_id: int) -> None:
+    def _run(self, rid: int, key: JobKey, msg: dict[str, Any], seg_id: int) -> None:
         share = msg["job"].get("share", {})
         what = f"rank {share.get('rank')} step {share.get('step')}"
         claimed = 0
@@ -201,7 +212,8 @@ class Session:
                 self.agent.claim(nbytes, force=True)
             claimed = nbytes
             storage = self.agent.storage(msg["storage"])
-            out = remote.run(storage, self._io, job, seg.tensor)
+            out = remote.run(storage, self._io, job, seg.tensor,
+                             self.agent.give_up(msg["storage"], key))
             out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
                                                     out["nbytes"], out["write_s"])
             kept = self._keep(job, seg, seg_id)
@@ -219,7 +231,7 @@ class Session:
             self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
         finally:
             self.agent.release(claimed)
-            self.agent.job_ended(run)
+            self.agent.job_ended(key)
 
 
 __all__ = ["Session"]

@@ -21,6 +21,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -218,10 +219,12 @@ def coordinate(
     generation: int = 0,
     overwrite: bool = False,
     signals: Signals | None = None,
+    give_up: Callable[[list[int]], str | None] | None = None,
 ) -> None:
     """Wait for every rank's partial of ``attempt``, merge them, commit. A rank's failure record
-    fails the step at once, naming that rank. On failure, leave a FAILED marker (so the other
-    ranks stop waiting) and raise; ``latest`` is untouched."""
+    fails the step at once, naming that rank; so does ``give_up(missing ranks)`` returning why
+    their shares cannot come (the node agent's: :mod:`ckptd.agent.orphans`). On failure, leave
+    a FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched."""
     signals = signals or Signals(None)
     committed = False
     try:
@@ -235,9 +238,12 @@ def coordinate(
             present = [n for n in names if layout.is_partial(n)]
             if len(present) >= world_size:
                 break
+            why = give_up(_missing(present, world_size)) if give_up is not None else None
+            if why is not None:
+                raise CkptdError(f"step {step}: ranks {_missing(present, world_size)} had not "
+                                 f"finished their share: {why}; not committed")
             if not poller.wait():
-                have = sorted(int(n[:-5]) for n in present)
-                missing = sorted(set(range(world_size)) - set(have))
+                missing = _missing(present, world_size)
                 if poller.abandoned:
                     raise exiting.Abandoned(
                         f"step {step}: ranks {missing} had not finished their share; stopped "
@@ -258,6 +264,10 @@ def coordinate(
             # a rank's failure is already published; anything else is the commit's own
             record_failure(storage, signals, step, attempt, 0, e, share=False)
         raise
+
+
+def _missing(partials: list[str], world_size: int) -> list[int]:
+    return sorted(set(range(world_size)) - {int(n[:-5]) for n in partials})
 
 
 def wait_committed(

@@ -155,11 +155,12 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
                       int(c["keep_last"])))
 
 
-def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor) -> dict[str, Any]:
+def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
+        give_up: Callable[[list[int]], str | None] | None = None) -> dict[str, Any]:
     """Write the files, the partial, and on rank 0 commit: the in-process save's background
     half, in the agent (:func:`apply_retention` after the trainer is told). A failure before
     the partial is recorded for the other ranks (and the files removed); the error is
-    raised."""
+    raised. ``give_up``: the commit's (:func:`ckptd.writer.commit.coordinate`)."""
     share = job.share
     writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level)
     t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor)
     if share.rank == 0:
         commit.coordinate(storage, share.step, share.attempt, share.world_size,
                           job.commit.run_id, generation=job.commit.generation,
-                          overwrite=job.commit.overwrite)
+                          overwrite=job.commit.overwrite, give_up=give_up)
     return {"nbytes": stored_bytes(chunks), "write_s": write_s}
 
 

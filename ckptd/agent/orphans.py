@@ -1,0 +1,203 @@
+"""A step whose run was restarted: can the shares its commit still waits for come at all?
+
+Rank 0's agent commits a step once every rank's partial is in (:func:`ckptd.writer.commit.
+coordinate`). When a node is lost with a save in flight, its share never comes: the agent would
+wait ``commit_timeout_s`` for it, and the restart on rank 0's node waits ``CKPTD_AGENT_DRAIN_S``
+for that job before it takes the root over (``docs/agent.md``). Once a newer run of the same
+root has started on this node (its Checkpointers ask the agent to drain), the coordinating job
+asks every agent registered under the root whether it writes, or may still be sent, a share it
+misses:
+
+* an agent **writes** a share while it runs a job (or a hand-off) of that attempt and rank;
+* it **may still be sent** one while a trainer of that run and rank is connected to it (the
+  old run's trainer on a node that left the job, still saving after its SIGTERM);
+* an agent that cannot be reached (its node is lost: the connection is refused or times out)
+  writes nothing; one that is reached but does not answer the question counts as a maybe.
+
+No one claims a missing share: the step fails at once, naming the ranks (FAILED marker; the
+previous step stays ``latest``), and the drain ends. What this cannot see is a trainer of the
+old run that lost its agent and saves in process on a node that left the job: that step is
+failed too. Peer questions need the job secret (``CKPTD_JOB_SECRET``): without it an agent
+knows no other node, and the job waits as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.agent import wire
+from ckptd.agent.peers import Replicator, answer_challenge
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.agent")
+
+ASK_EVERY_S = 1.0  # a coordinating job's polls are faster: the question goes out at most this often
+ASK_TIMEOUT_S = 5.0  # per peer, connecting and answering
+
+
+def root_key(spec: dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class JobKey:
+    """Whose save a job is: the root, the run, the attempt, the rank."""
+
+    root: str
+    run: str
+    attempt: str
+    rank: int
+
+    @classmethod
+    def of(cls, spec: dict[str, Any], job: dict[str, Any]) -> JobKey:
+        """From a job message (KeyError, ValueError, TypeError if malformed)."""
+        share = job["share"]
+        return cls(root_key(spec), str(job["commit"]["run_id"]), str(share["attempt"]),
+                   int(share["rank"]))
+
+
+class Shares:
+    """The shares this agent writes or may still be sent, and the runs superseded on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writing: Counter[tuple[str, str, int]] = Counter()  # (root, attempt, rank)
+        self._connected: Counter[tuple[str, str, int]] = Counter()  # (root, run, rank)
+        self._started: dict[str, set[str]] = {}  # root -> the runs that asked to drain
+        self._asked: dict[str, float] = {}  # attempt -> monotonic time of the last question
+        self._told: set[str] = set()  # attempts whose claimant was logged
+
+    def writing(self, root: str, attempt: str, rank: int, delta: int) -> None:
+        with self._lock:
+            self._writing[(root, attempt, rank)] += delta
+            if self._writing[(root, attempt, rank)] <= 0:
+                del self._writing[(root, attempt, rank)]
+
+    def connected(self, root: str, run: str, rank: int, delta: int) -> None:
+        with self._lock:
+            self._connected[(root, run, rank)] += delta
+            if self._connected[(root, run, rank)] <= 0:
+                del self._connected[(root, run, rank)]
+
+    def started(self, root: str, run: str) -> None:
+        """A run of ``root`` started on this node: every other run of it is superseded."""
+        with self._lock:
+            self._started.setdefault(root, set()).add(run)
+
+    def superseded(self, root: str, run: str) -> bool:
+        with self._lock:
+            return any(r != run for r in self._started.get(root, ()))
+
+    def due(self, attempt: str) -> bool:
+        """Whether to ask again about ``attempt`` (at most every ``ASK_EVERY_S``)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._asked.get(attempt, -ASK_EVERY_S) < ASK_EVERY_S:
+                return False
+            self._asked[attempt] = now
+            return True
+
+    def first_claim(self, attempt: str) -> bool:
+        """True the first time a share of ``attempt`` is found claimed (logged once)."""
+        with self._lock:
+            first = attempt not in self._told
+            self._told.add(attempt)
+            return first
+
+    def answer(self, question: dict[str, Any]) -> dict[str, Any]:
+        """Which of ``question["ranks"]`` this agent writes or may still be sent."""
+        root = root_key(question["spec"])
+        run, attempt = str(question["run"]), str(question["attempt"])
+        ranks = [int(r) for r in question["ranks"]]
+        with self._lock:
+            return {"ok": True,
+                    "writing": [r for r in ranks if self._writing[(root, attempt, r)] > 0],
+                    "connected": [r for r in ranks if self._connected[(root, run, r)] > 0]}
+
+
+def _ask(secret: bytes, peer: dict[str, Any], question: dict[str, Any]) -> dict[str, Any] | None:
+    """``peer``'s answer; None if it cannot be reached (its node is lost); raises when it was
+    reached and did not answer."""
+    try:
+        sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=ASK_TIMEOUT_S)
+    except OSError:
+        return None
+    with sock:
+        sock.settimeout(ASK_TIMEOUT_S)
+        answer_challenge(sock, secret, f"node {peer['node']} refused this agent")
+        wire.send(sock, question)
+        reply = wire.recv(sock, 1 << 20)
+    if not reply.get("ok"):
+        raise ConnectionError(f"node {peer['node']}: {reply.get('error', 'no answer')}")
+    return reply
+
+
+def nobody_claims(replicator: Replicator, storage: Storage, local: Shares,
+                  question: dict[str, Any]) -> str | None:
+    """Why none of the missing ranks' shares can come (the reason for the error), or None if
+    one may: this agent or a registered peer writes or awaits one, or a peer that was reached
+    did not answer."""
+    if not replicator.registered(storage):
+        return None  # the other nodes are unknown
+    claimant = _claimant(replicator.node, local.answer(question))
+    unreachable = []
+    if claimant is None:
+        peers = replicator.peers(storage)
+        with ThreadPoolExecutor(max(1, min(32, len(peers))),
+                                thread_name_prefix="ckptd-ask") as pool:
+            futures = [pool.submit(_ask, replicator.secret, p, question) for p in peers]
+            for peer, future in zip(peers, futures, strict=True):
+                try:
+                    reply = future.result()
+                except (OSError, ValueError) as e:  # reached, no answer: it may hold one
+                    claimant = f"node {peer.get('node')} did not answer ({e})"
+                    break
+                if reply is None:
+                    unreachable.append(str(peer.get("node")))
+                elif (claimant := _claimant(str(peer.get("node")), reply)) is not None:
+                    break
+    if claimant is not None:
+        if local.first_claim(str(question["attempt"])):
+            log.info("ckptd agent: step of attempt %s: a newer run started, still waiting for "
+                     "ranks %s: %s", question["attempt"], question["ranks"], claimant)
+        return None
+    gone = f"; nodes {unreachable} do not answer" if unreachable else ""
+    return (f"run {question['run']} was restarted and no node agent of the job writes or "
+            f"awaits their share{gone}")
+
+
+def _claimant(node: str, answer: dict[str, Any]) -> str | None:
+    if answer.get("writing"):
+        return f"node {node} writes ranks {answer['writing']}"
+    if answer.get("connected"):
+        return f"node {node} serves the trainers of ranks {answer['connected']}"
+    return None
+
+
+def give_up(replicator: Replicator | None, storage: Storage, local: Shares,
+            spec: dict[str, Any], run: str, attempt: str) -> Callable[[list[int]], str | None]:
+    """For :func:`ckptd.writer.commit.coordinate`: called with the missing ranks at each poll;
+    a reason once their shares cannot come (:func:`nobody_claims`), after a newer run of the
+    root started on this node."""
+    root = root_key(spec)
+
+    def check(missing: list[int]) -> str | None:
+        if replicator is None or not local.superseded(root, run) or not local.due(attempt):
+            return None
+        question = {"op": "holds", "spec": spec, "run": run, "attempt": attempt,
+                    "ranks": missing}
+        return nobody_claims(replicator, storage, local, question)
+
+    return check
+
+
+__all__ = ["JobKey", "Shares", "give_up", "nobody_claims", "root_key"]
