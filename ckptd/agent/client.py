@@ -56,6 +56,7 @@ class AgentClient:
         self.keep = 0  # steps the agent keeps in memory: arenas it holds on to after a save
         self.peers = False  # it copies them to peers (and holds an arena while it does)
         self.on_release: Callable[[int], None] | None = None  # an arena is free again
+        self._warned_pin = False
         uid, self.pid = wire.peer_uid_pid(sock)
         if uid != os.getuid():
             sock.close()
@@ -112,6 +113,12 @@ class AgentClient:
         # fault the pages into this process now (reserve() or the first save), not during
         # a later save's copy: one write a page (they are zero already)
         seg.tensor[::4096].zero_()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            why = seg.register_with_cuda()  # GPU state is copied into it asynchronously
+            if why is not None and not self._warned_pin:
+                self._warned_pin = True
+                log.warning("ckptd: %s; copies from the GPU into the node agent's memory are "
+                            "synchronous", why)
         with self._lock:
             self._segments[seg.tensor.data_ptr()] = (int(reply["segment"]), seg)
         return seg.tensor
@@ -179,6 +186,10 @@ class AgentClient:
         except OSError:
             pass
         self._sock.close()
+        with self._lock:
+            segments = [seg for _, seg in self._segments.values()]
+        for seg in segments:
+            seg.unregister_from_cuda()
 
     # ------------------------------------------------------------------ the wire
     def _new_id(self) -> int:

@@ -70,23 +70,25 @@ class Shares:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._writing: Counter[tuple[str, str, int]] = Counter()  # (root, attempt, rank)
-        self._connected: Counter[tuple[str, str, int]] = Counter()  # (root, run, rank)
+        # by attempt or run id and rank, not by root: nodes may name the same storage
+        # differently (mount points), and a false claim only means waiting as before
+        self._writing: Counter[tuple[str, int]] = Counter()  # (attempt, rank)
+        self._connected: Counter[tuple[str, int]] = Counter()  # (run, rank)
         self._started: dict[str, set[str]] = {}  # root -> the runs that asked to drain
         self._asked: dict[str, float] = {}  # attempt -> monotonic time of the last question
         self._told: set[str] = set()  # attempts whose claimant was logged
 
-    def writing(self, root: str, attempt: str, rank: int, delta: int) -> None:
+    def writing(self, attempt: str, rank: int, delta: int) -> None:
         with self._lock:
-            self._writing[(root, attempt, rank)] += delta
-            if self._writing[(root, attempt, rank)] <= 0:
-                del self._writing[(root, attempt, rank)]
+            self._writing[(attempt, rank)] += delta
+            if self._writing[(attempt, rank)] <= 0:
+                del self._writing[(attempt, rank)]
 
-    def connected(self, root: str, run: str, rank: int, delta: int) -> None:
+    def connected(self, run: str, rank: int, delta: int) -> None:
         with self._lock:
-            self._connected[(root, run, rank)] += delta
-            if self._connected[(root, run, rank)] <= 0:
-                del self._connected[(root, run, rank)]
+            self._connected[(run, rank)] += delta
+            if self._connected[(run, rank)] <= 0:
+                del self._connected[(run, rank)]
 
     def started(self, root: str, run: str) -> None:
         """A run of ``root`` started on this node: every other run of it is superseded."""
@@ -115,13 +117,12 @@ class Shares:
 
     def answer(self, question: dict[str, Any]) -> dict[str, Any]:
         """Which of ``question["ranks"]`` this agent writes or may still be sent."""
-        root = root_key(question["spec"])
         run, attempt = str(question["run"]), str(question["attempt"])
         ranks = [int(r) for r in question["ranks"]]
         with self._lock:
             return {"ok": True,
-                    "writing": [r for r in ranks if self._writing[(root, attempt, r)] > 0],
-                    "connected": [r for r in ranks if self._connected[(root, run, r)] > 0]}
+                    "writing": [r for r in ranks if self._writing[(attempt, r)] > 0],
+                    "connected": [r for r in ranks if self._connected[(run, r)] > 0]}
 
 
 def _ask(secret: bytes, peer: dict[str, Any], question: dict[str, Any]) -> dict[str, Any] | None:
@@ -184,17 +185,16 @@ def _claimant(node: str, answer: dict[str, Any]) -> str | None:
 
 
 def give_up(replicator: Replicator | None, storage: Storage, local: Shares,
-            spec: dict[str, Any], run: str, attempt: str) -> Callable[[list[int]], str | None]:
-    """For :func:`ckptd.writer.commit.coordinate`: called with the missing ranks at each poll;
-    a reason once their shares cannot come (:func:`nobody_claims`), after a newer run of the
-    root started on this node."""
-    root = root_key(spec)
+            job: JobKey) -> Callable[[list[int]], str | None]:
+    """For :func:`ckptd.writer.commit.coordinate` of ``job`` (rank 0's): called with the missing
+    ranks at each poll; a reason once their shares cannot come (:func:`nobody_claims`), after a
+    newer run of the root started on this node."""
 
     def check(missing: list[int]) -> str | None:
-        if replicator is None or not local.superseded(root, run) or not local.due(attempt):
+        if (replicator is None or not local.superseded(job.root, job.run)
+                or not local.due(job.attempt)):
             return None
-        question = {"op": "holds", "spec": spec, "run": run, "attempt": attempt,
-                    "ranks": missing}
+        question = {"op": "holds", "run": job.run, "attempt": job.attempt, "ranks": missing}
         return nobody_claims(replicator, storage, local, question)
 
     return check

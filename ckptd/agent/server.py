@@ -351,13 +351,13 @@ class Agent:
             return busy()
 
     def job_started(self, job: JobKey) -> None:
-        self.shares.writing(job.root, job.attempt, job.rank, +1)
+        self.shares.writing(job.attempt, job.rank, +1)
         with self._lock:
             self._busy += 1
             self._runs[job.run] = self._runs.get(job.run, 0) + 1
 
     def job_ended(self, job: JobKey) -> None:
-        self.shares.writing(job.root, job.attempt, job.rank, -1)
+        self.shares.writing(job.attempt, job.rank, -1)
         with self._lock:
             self._busy -= 1
             self._runs[job.run] -= 1
@@ -368,8 +368,7 @@ class Agent:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot
         come: its run was restarted on this node and no agent writes or awaits them
         (:mod:`ckptd.agent.orphans`)."""
-        return orphans.give_up(self.replicator, self.storage(spec), self.shares, spec, job.run,
-                               job.attempt)
+        return orphans.give_up(self.replicator, self.storage(spec), self.shares, job)
 
     def session_ended(self, session: Session) -> None:
         with self._lock:

@@ -98,7 +98,7 @@ class Session:
                     self.agent.memory.forget(seg)
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
             if self.trainer is not None:
-                self.agent.shares.connected(self.root, *self.trainer, -1)
+                self.agent.shares.connected(*self.trainer, -1)
             self.agent.session_ended(self)
 
     def _heartbeat(self) -> None:
@@ -113,7 +113,7 @@ class Session:
             self.root = root_key(spec)
             if self.trainer is None and msg.get("run") is not None:
                 self.trainer = (str(msg["run"]), int(msg["rank"]))
-                self.agent.shares.connected(self.root, *self.trainer, +1)
+                self.agent.shares.connected(*self.trainer, +1)
             if self.agent.replicator is not None and spec.get("url"):
                 # announced before the first save, so that every node's first copy finds its
                 # peers

@@ -19,6 +19,8 @@ import torch
 
 from ckptd.errors import StorageError
 
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
 
 def _root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
@@ -30,6 +32,31 @@ class Segment:
     def __init__(self, path: str, nbytes: int, mm: mmap.mmap) -> None:
         self.path, self.nbytes, self._mm = path, nbytes, mm
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        self.cuda_registered = False
+
+    def register_with_cuda(self) -> str | None:
+        """Page-lock this mapping for CUDA (``cudaHostRegister``, portable to every device's
+        context), so that device-to-host copies into it are asynchronous DMA, as into the
+        in-process arenas' pinned memory; without it they are synchronous and bounced through
+        the driver's own buffers. Call it once CUDA is initialised on the trainer's device (it
+        would otherwise create a context on device 0). None once registered, else why not (the
+        copies then still work, slower). Not run on this project's CPU-only machines."""
+        if self.cuda_registered:
+            return None
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = int(cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes,
+                                          _CUDA_HOST_REGISTER_PORTABLE))
+        if err:
+            return f"cudaHostRegister of {self.nbytes} bytes at {self.path} failed: cudaError {err}"
+        self.cuda_registered = True
+        return None
+
+    def unregister_from_cuda(self) -> None:
+        """Before the mapping goes (a registered range must not be unmapped)."""
+        if self.cuda_registered:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.tensor.data_ptr())
+            self.cuda_registered = False
 
     def view(self) -> memoryview:
         """The whole segment as bytes."""
