@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.agent import wire
-from ckptd.agent.peers import Replicator, answer_challenge
+from ckptd.agent.peer_link import answer_challenge
+from ckptd.agent.peers import Replicator
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
@@ -107,6 +108,12 @@ class Shares:
                 return False
             self._asked[attempt] = now
             return True
+
+    def forget(self, attempt: str) -> None:
+        """``attempt``'s coordinating job ended: what was asked about it goes."""
+        with self._lock:
+            self._asked.pop(attempt, None)
+            self._told.discard(attempt)
 
     def first_claim(self, attempt: str) -> bool:
         """True the first time a share of ``attempt`` is found claimed (logged once)."""

@@ -1,10 +1,8 @@
 """Peer copies: each agent sends its node's newest steps to ``k`` other agents of the same job, so
 that a node lost with its memory is read from a peer's memory, not from storage.
 
-* **Who**: agents of one job share a secret (``$CKPTD_JOB_SECRET``, set by the launcher; there is
-  no default, and without it there are no peer copies). A connection starts with a challenge: the
-  receiver sends a random nonce, the sender answers ``HMAC-SHA256(secret, nonce)``; anything else
-  is refused. The data are not trusted either way: the loader verifies every frame's checksum.
+* **Who**: agents of one job, through :mod:`ckptd.agent.peer_link` (the job secret's challenge;
+  it also serves what the peers send and read).
 * **Where**: an agent that serves a root registers itself at ``_agents/<node>.json`` under that
   root (host, port), and sends to the ``k`` nodes after its own in the sorted list of registered
   nodes (a ring), ``$CKPTD_PEER_COPIES`` (default 1). Its address is ``$CKPTD_AGENT_HOST``
@@ -20,13 +18,10 @@ that a node lost with its memory is read from a peer's memory, not from storage.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -35,17 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.agent import wire
+from ckptd.agent.peer_link import answer_challenge
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
 
 REGISTRY = "_agents"
 RETRY_S = 60.0  # how long a copy waits for peers to announce themselves
-
-
-def job_secret() -> bytes | None:
-    s = os.environ.get("CKPTD_JOB_SECRET")
-    return s.encode() if s else None
 
 
 @dataclass
@@ -58,186 +49,6 @@ class Outgoing:
     step: int
     files: dict[str, memoryview]  # path -> bytes (views of the kept arena)
     done: Callable[[], None]  # sent or given up: the arena may be used again
-
-
-def _recv_into(sock: socket.socket, into: memoryview) -> None:
-    got = 0
-    while got < len(into):
-        k = sock.recv_into(into[got:], len(into) - got)
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
-
-
-def answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
-    """The connecting side of the challenge :meth:`PeerServer._handle` poses: the HMAC of its
-    nonce; ``ConnectionError(refused)`` if the answer is not accepted."""
-    nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
-    wire.send(sock, {"mac": hmac.new(secret, nonce, hashlib.sha256).hexdigest()})
-    if not wire.recv(sock, 4096).get("ok"):
-        raise ConnectionError(refused)
-
-
-Finish = Callable[[bool], None]
-
-
-Lookup = Callable[[dict[str, Any], str], tuple[memoryview, Callable[[], None]] | None]
-
-
-Accept = Callable[[dict[str, Any], int], tuple[memoryview, Finish] | None]
-
-
-Answer = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-class PeerServer:
-    """Receives peer copies and hand-offs and answers range reads, from agents and loaders of
-    the same job.
-
-    ``accept(header, nbytes)`` gives the memory to receive a copy into and what to call once it
-    is received (True) or the transfer failed (False); None refuses it. ``take_over`` does the
-    same for a hand-off (``header["op"] == "handoff"``: a stopping agent's save, to be written
-    here). ``lookup(spec, path)`` gives a file held in memory and what to call when it has been
-    read; None if not held. ``holds(question)`` answers which shares this agent writes or
-    awaits (``question["op"] == "holds"``: :mod:`ckptd.agent.orphans`)."""
-
-    def __init__(self, secret: bytes, host: str, accept: Accept,
-                 lookup: Lookup | None = None, take_over: Accept | None = None,
-                 holds: Answer | None = None) -> None:
-        self.secret, self._accept, self._lookup = secret, accept, lookup
-        self._take_over, self._holds = take_over, holds
-        self.sock = socket.create_server((host, 0))
-        self.address = self.sock.getsockname()[:2]
-        threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, addr = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
-
-    def _handle(self, conn: socket.socket, addr: Any) -> None:
-        finish: Finish | None = None
-        with conn:
-            try:
-                conn.settimeout(60)
-                nonce = secrets.token_bytes(32)
-                wire.send(conn, {"nonce": nonce.hex()})
-                answer = wire.recv(conn, 4096).get("mac", "")  # before auth: small
-                expected = hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()
-                if not isinstance(answer, str) or not hmac.compare_digest(answer, expected):
-                    log.warning("ckptd agent: refused a peer at %s: not of this job", addr)
-                    wire.send(conn, {"ok": False, "error": "not of this job"})
-                    return
-                wire.send(conn, {"ok": True})
-                header = wire.recv(conn, 64 << 20)
-                if header.get("op") == "read":
-                    self._reads(conn, header)
-                    return
-                if header.get("op") == "holds":
-                    wire.send(conn, self._holds(header) if self._holds is not None else
-                              {"ok": False, "error": "no answer to that here"})
-                    return
-                total = sum(int(n) for n in header["files"].values())
-                if header.get("op") == "handoff":
-                    accepted = self._take_over(header, total) if self._take_over else None
-                else:
-                    accepted = self._accept(header, total)
-                wire.send(conn, {"ok": accepted is not None})
-                if accepted is None:
-                    return
-                into, done = accepted
-                finish = done  # until the bytes are in, a failure gives the memory back
-                _recv_into(conn, into[:total])
-                finish = None
-                done(True)
-                wire.send(conn, {"ok": True})
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("ckptd agent: a peer copy from %s failed: %s", addr, e)
-                if finish is not None:
-                    finish(False)  # its memory goes back to the budget
-
-    def _reads(self, conn: socket.socket, header: dict[str, Any]) -> None:
-        """Range reads of files held in memory, one after another on this connection until
-        the reader closes it: ``{"op": "read", "spec", "path", "offset", "length"}`` ->
-        ``{"ok": true}`` and the bytes, or ``{"ok": false, "error"}``."""
-        conn.settimeout(600)  # a loader keeps its connection between reads
-        while True:
-            path, offset, length = str(header["path"]), int(header["offset"]), int(header["length"])
-            found = self._lookup(header["spec"], path) if self._lookup is not None else None
-            if found is None:
-                wire.send(conn, {"ok": False, "error": f"{path}: not held in memory"})
-            else:
-                mem, release = found
-                try:
-                    if offset < 0 or length < 0 or offset + length > len(mem):
-                        wire.send(conn, {"ok": False, "error": f"{path}: {length} bytes at "
-                                         f"{offset} are outside its {len(mem)}"})
-                    else:
-                        wire.send(conn, {"ok": True})
-                        conn.sendall(mem[offset: offset + length])
-                finally:
-                    release()
-            try:
-                header = wire.recv(conn, 1 << 20)
-            except ConnectionError:
-                return  # the reader is done
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class PeerReads:
-    """A loader's side of range reads from other agents' memory (``PeerServer._reads``): one
-    authenticated connection per agent and thread at a time, kept for the next read."""
-
-    def __init__(self, secret: bytes, spec: dict[str, Any], timeout_s: float = 30.0) -> None:
-        self.secret, self.spec, self.timeout_s = secret, spec, timeout_s
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
-        self._lock = threading.Lock()
-
-    def read_into(self, address: tuple[str, int], path: str, offset: int,
-                  buf: memoryview) -> None:
-        """``len(buf)`` bytes of ``path`` at ``offset`` from the agent at ``address``; raises
-        OSError (ConnectionError, timeout) when it does not hold them or cannot be reached."""
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            sock = idle.pop() if idle else None
-        if sock is None:
-            sock = self._connect(address)
-        try:
-            wire.send(sock, {"op": "read", "spec": self.spec, "path": path, "offset": offset,
-                             "length": len(buf)})
-            reply = wire.recv(sock, 4096)
-            if not reply.get("ok"):
-                raise ConnectionError(f"agent at {address[0]}:{address[1]}: "
-                                      f"{reply.get('error', 'refused')}")
-            _recv_into(sock, buf)
-        except BaseException:
-            sock.close()
-            raise
-        with self._lock:
-            self._idle[address].append(sock)
-
-    def _connect(self, address: tuple[str, int]) -> socket.socket:
-        sock = socket.create_connection(address, timeout=min(self.timeout_s, 5.0))
-        try:
-            sock.settimeout(self.timeout_s)
-            answer_challenge(sock, self.secret,
-                              f"agent at {address[0]}:{address[1]} refused this job")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def close(self) -> None:
-        with self._lock:
-            socks = [s for ss in self._idle.values() for s in ss]
-            self._idle.clear()
-        for s in socks:
-            s.close()
 
 
 class Replicator:
@@ -422,5 +233,4 @@ class Replicator:
             return True
 
 
-__all__ = ["Outgoing", "PeerReads", "PeerServer", "Replicator", "answer_challenge",
-           "job_secret"]
+__all__ = ["Outgoing", "Replicator"]

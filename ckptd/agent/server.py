@@ -32,7 +32,8 @@ from typing import Any
 from ckptd.agent import handoff, orphans, wire
 from ckptd.agent.memory import Kept, Memory, OverBudget
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peers import Outgoing, PeerServer, Replicator, job_secret
+from ckptd.agent.peer_link import PeerServer, job_secret
+from ckptd.agent.peers import Outgoing, Replicator
 from ckptd.agent.session import Session
 from ckptd.agent.shm import Segment, stale_segments, unlink
 from ckptd.storage import Storage, open_storage
@@ -358,6 +359,8 @@ class Agent:
 
     def job_ended(self, job: JobKey) -> None:
         self.shares.writing(job.attempt, job.rank, -1)
+        if job.rank == 0:  # the coordinating job (give_up)
+            self.shares.forget(job.attempt)
         with self._lock:
             self._busy -= 1
             self._runs[job.run] -= 1

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ckptd.agent.peers import PeerReads, job_secret
+from ckptd.agent.peer_link import PeerReads, job_secret
 from ckptd.errors import CkptdError
 from ckptd.storage import Storage
 from ckptd.storage.memory_tier import MemoryTier, Remote
