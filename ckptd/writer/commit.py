@@ -238,12 +238,12 @@ def coordinate(
             present = [n for n in names if layout.is_partial(n)]
             if len(present) >= world_size:
                 break
-            why = give_up(_missing(present, world_size)) if give_up is not None else None
+            missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})
+            why = give_up(missing) if give_up is not None else None
             if why is not None:
-                raise CkptdError(f"step {step}: ranks {_missing(present, world_size)} had not "
-                                 f"finished their share: {why}; not committed")
+                raise CkptdError(f"step {step}: ranks {missing} had not finished their share: "
+                                 f"{why}; not committed")
             if not poller.wait():
-                missing = _missing(present, world_size)
                 if poller.abandoned:
                     raise exiting.Abandoned(
                         f"step {step}: ranks {missing} had not finished their share; stopped "
@@ -264,10 +264,6 @@ def coordinate(
             # a rank's failure is already published; anything else is the commit's own
             record_failure(storage, signals, step, attempt, 0, e, share=False)
         raise
-
-
-def _missing(partials: list[str], world_size: int) -> list[int]:
-    return sorted(set(range(world_size)) - {int(n[:-5]) for n in partials})
 
 
 def wait_committed(
