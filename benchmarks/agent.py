@@ -134,14 +134,15 @@ def _floor_slowdown(rank: int, root: str, size: int, saves: int, write_s: float)
 
 
 def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
-           compute_loop: bool = True, gap_s: float = 0.0) -> dict[str, float]:
+           compute_loop: bool = True, gap_s: float = 0.0, keep_last: int = 2
+           ) -> dict[str, float]:
     import ckptd
 
     torch.set_num_threads(1)
     state = common.build_state(size, rank, world)
     stalls, copies, durable, write_cpu = [], [], [], []
     copied = _time_staging_copies()
-    with ckptd.Checkpointer(root, keep_last=2, agent=agent) as ckpt:
+    with ckptd.Checkpointer(root, keep_last=keep_last, agent=agent) as ckpt:
         assert agent == (ckpt._saver is not None and ckpt._saver.offload is not None)
         agent_pid = ckpt._saver.offload.pid if agent else None  # type: ignore[union-attr]
         ckpt.reserve(state.ckptd_tree())
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--gap", type=float, default=2.0,
                     help="seconds between a save's result() and the next save (0: back to back)")
+    ap.add_argument("--keep-last", type=int, default=2,
+                    help="the Checkpointer's keep_last (retention after every save)")
     ap.add_argument("--stall-only", action="store_true",
                     help="only the save rows, without the compute loop (faster)")
     ap.add_argument("--first-step", default=None, help=argparse.SUPPRESS)  # a restarted rank
@@ -325,13 +328,16 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     fl = multirank.run(_floors, args.world, root, size, args.saves,
                                        not args.stall_only, timeout=1800)[0]
+                    saved = os.path.join(root, f"c{busy}")  # the agent's saves, loaded below
                     for agent in (False, True):
-                        r = multirank.run(_saves, args.world, os.path.join(root, f"c{busy}"),
-                                          size, args.saves, agent, not args.stall_only,
-                                          args.gap, timeout=1800)[0]
+                        into = saved if agent else saved + "-in-process"
+                        r = multirank.run(_saves, args.world, into, size, args.saves, agent,
+                                          not args.stall_only, args.gap, args.keep_last,
+                                          timeout=1800)[0]
                         rows.append((busy, "agent" if agent else "in process", r, fl))
+                        if not agent:
+                            shutil.rmtree(into)
                     if busy == 0 and args.world > 1 and not args.stall_only:  # at world - 1
-                        saved = os.path.join(root, f"c{busy}")
                         for agent in (True, False):
                             loads.append((_source(agent), multirank.run(
                                 _loads, args.world - 1, saved, size, agent, timeout=1800)))

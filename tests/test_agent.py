@@ -363,6 +363,25 @@ def test_the_agent_keeps_the_newest_step_in_the_arena_it_was_staged_in(tmp_path,
         assert r.nbytes_from_memory == 0 and r.nbytes_from_storage == r.nbytes_read
 
 
+def test_the_agent_removes_an_old_step_once_the_next_save_is_staged(tmp_path, agents):
+    root = tmp_path / "root"
+
+    def steps() -> list[int]:
+        return sorted(int(p.name[5:]) for p in root.glob("step-*"))
+
+    with ckptd.Checkpointer(str(root), rank=0, world_size=1, agent=True, keep_last=1) as c:
+        c.save(_big(1))
+        c.save(_big(2))
+        assert steps() == [1, 2]  # owed by the agent, not done: a next save may be staging
+        c.save(_big(3))
+        assert steps() == [2, 3]  # done before step 3's files were written
+    # the trainer closed: its session ends and the agent settles what it still owed
+    wait_until(lambda: steps() == [3], 30, "retention after the trainer closed")
+    dst = {"w": torch.zeros(4 << 20), "step": -1}
+    with ckptd.Checkpointer(str(root), rank=0, world_size=1, read_only=True) as c:
+        assert c.load(dst).step == 3 and torch.equal(dst["w"], _big(3)["w"])
+
+
 def _save_then_stall(root: str, rank: int, node: str, conn) -> None:
     """Step 1 on both ranks; step 2 on rank 1 only (rank 0's node is lost before it hands
     step 2 over), so step 2 never commits; rank 1 is killed while it waits for that commit."""

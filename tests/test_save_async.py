@@ -66,6 +66,38 @@ def test_fifty_back_to_back_saves_leave_exactly_keep_last_bit_exact_steps(tmp_pa
             assert torch.equal(got["optim"]["m"], torch.full((4096,), -float(step)))
 
 
+def test_retention_waits_for_the_next_save_to_be_staged(tmp_path):
+    """Removing an old step is owed at the commit and done once the next save is staged (or
+    at close): never while a staging copy runs, and the disk holds keep_last + 1 steps at
+    most. The storage records, at each removal, the phase of the save in flight."""
+    seen: list[tuple[str, list[tuple[int, Phase]]]] = []
+
+    class Watched(LocalStorage):
+        def remove(self, path: str) -> None:
+            if path.startswith("step-"):
+                seen.append((path, [(h.step, h.phase) for h in c._saver._handles]))
+            super().remove(path)
+
+    def steps() -> list[int]:
+        return sorted(int(p.name[5:]) for p in tmp_path.glob("step-*"))
+
+    n = 1 << 22  # 32 MiB to stage: long enough for an eager retention to overlap it
+    c = ckptd.Checkpointer(str(tmp_path), storage=Watched(str(tmp_path)), keep_last=1)
+    c.save(_state(1.0, n), step=1)
+    c.save(_state(2.0, n), step=2)
+    c.save_async(_state(3.0, n), step=3).result()
+    # step 1 went while step 3 was staged and not yet written, not while it was staging
+    assert seen and all(p.startswith("step-000000001") and h == [(3, Phase.STAGED)]
+                        for p, h in seen), seen
+    assert steps() == [2, 3]
+    c.close()  # settles what step 3's commit owes
+    assert steps() == [3]
+    with ckptd.Checkpointer(str(tmp_path)) as reader:
+        dst = _state(0.0, n)
+        assert reader.load(dst).step == 3
+        assert torch.equal(dst["optim"]["m"], torch.full((n,), -3.0))
+
+
 def test_staging_buffers_are_reused_and_grow_only_when_the_state_grows(tmp_path):
     with ckptd.Checkpointer(str(tmp_path)) as c:
         c.save(_state(1.0), step=1)

@@ -23,7 +23,7 @@ from ckptd import config
 from ckptd.agent.session import background
 from ckptd.manifest import layout
 from ckptd.storage import Storage
-from ckptd.writer import remote
+from ckptd.writer import remote, retention
 
 log = logging.getLogger("ckptd.agent")
 
@@ -50,7 +50,9 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
                 header["origin"], share.rank, share.step, out["nbytes"],
                 ", committed" if share.rank == 0 else "")
-    remote.apply_retention(storage, job)
+    owed = retention.Owed()  # a handed-over save is its sender's last: nothing follows it here
+    remote.owe_retention(owed, storage, job)
+    owed.settle()
 
 
 def read_records(storage: Storage, step: int, attempt: str) -> list[dict[str, Any]]:

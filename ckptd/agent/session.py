@@ -17,7 +17,7 @@ from ckptd.agent.memory import Kept
 from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
 from ckptd.manifest import codecs, layout
-from ckptd.writer import remote
+from ckptd.writer import remote, retention
 
 if TYPE_CHECKING:
     from ckptd.agent.server import Agent
@@ -57,6 +57,7 @@ class Session:
         self._io: ThreadPoolExecutor | None = None
         self._next_segment = 0
         self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
+        self._retention = retention.Owed()  # after rank 0's commit, settled by its next save
         self._next_lease = 0
         self.root = ""  # the root its saves go to, and whose trainer it is (from its hello)
         self.trainer: tuple[str, int] | None = None  # (run, rank)
@@ -96,6 +97,7 @@ class Session:
             for seg in self.segments.values():  # names go; a job still using one maps it
                 if not self.agent.memory.is_kept(seg):
                     self.agent.memory.forget(seg)
+            self._jobs.submit(self._retention.settle)  # after the jobs still queued
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
             if self.trainer is not None:
                 self.agent.shares.connected(*self.trainer, -1)
@@ -199,6 +201,7 @@ class Session:
             seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
             nbytes = job.round.nbytes
+            self._retention.settle()  # the previous step's, now that this one is staged
             if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
                 staged = seg.view()[:nbytes]
                 to = self.agent.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
@@ -225,7 +228,7 @@ class Session:
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
                      out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})
-            remote.apply_retention(storage, job)
+            remote.owe_retention(self._retention, storage, job)
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})

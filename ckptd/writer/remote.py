@@ -158,7 +158,7 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
         give_up: Callable[[list[int]], str | None] | None = None) -> dict[str, Any]:
     """Write the files, the partial, and on rank 0 commit: the in-process save's background
-    half, in the agent (:func:`apply_retention` after the trainer is told). A failure before
+    half, in the agent (then :func:`owe_retention`, once the trainer is told). A failure before
     the partial is recorded for the other ranks (and the files removed); the error is
     raised. ``give_up``: the commit's (:func:`ckptd.writer.commit.coordinate`)."""
     share = job.share
@@ -179,14 +179,11 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
     return {"nbytes": stored_bytes(chunks), "write_s": write_s}
 
 
-def apply_retention(storage: Storage, job: Job) -> None:
-    """On rank 0, after the commit is announced: removing a large old step takes a while (as
-    in process, it must not delay "committed"). Best effort: the next save retries."""
-    if job.share.rank == 0 and job.commit.keep_last > 0:
-        try:
-            retention.apply_retention(storage, job.commit.keep_last)
-        except OSError:
-            pass
+def owe_retention(owed: retention.Owed, storage: Storage, job: Job) -> None:
+    """On rank 0, once the commit is announced: retention is owed, and settled when the next
+    save is staged or the writer closes (:class:`~ckptd.writer.retention.Owed`)."""
+    if job.share.rank == 0:
+        owed.owe(storage, job.commit.keep_last)
 
 
 def pool_for(offload: Offload, slots: int) -> StagingPool:
@@ -199,5 +196,5 @@ def pool_for(offload: Offload, slots: int) -> StagingPool:
     return pool
 
 
-__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "apply_retention", "decode",
-           "encode", "run", "pool_for"]
+__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "decode",
+           "encode", "owe_retention", "run", "pool_for"]

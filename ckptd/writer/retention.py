@@ -20,6 +20,8 @@ judge by until it completes).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 
 from ckptd import config
@@ -28,6 +30,8 @@ from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, r
 from ckptd.storage import Storage
 from ckptd.storage.base import extended
 from ckptd.writer.commit import attempt_run
+
+log = logging.getLogger("ckptd")
 
 
 def apply_retention(storage: Storage, keep_last: int) -> list[int]:
@@ -40,6 +44,38 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
         storage.remove(layout.manifest_path(s))
         storage.remove(layout.step_dir(s))
     return doomed
+
+
+class Owed:
+    """Retention owed after a commit, run when the next save of the same writer has been
+    staged (:meth:`settle` before its write) or when the writer closes — not at once: with
+    saves back to back, removing a large step (the kernel freeing its pages, the journal) ran
+    during the next save's staging copy and stretched the stall (``benchmarks/README.md``, *The
+    node agent*, runs 18-30). The disk holds no more than before: ``keep_last`` + 1 steps
+    between two saves, as it did during each save."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owed: tuple[Storage, int] | None = None
+
+    def owe(self, storage: Storage, keep_last: int) -> None:
+        """After a commit: retention is due (``keep_last`` > 0)."""
+        if keep_last > 0:
+            with self._lock:
+                self._owed = (storage, keep_last)
+
+    def settle(self) -> None:
+        """Run the retention owed, if any. Best effort: a failure is logged, and the next
+        commit owes it again."""
+        with self._lock:
+            owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        storage, keep_last = owed
+        try:
+            apply_retention(storage, keep_last)
+        except OSError as e:
+            log.warning("ckptd: retention under %s failed: %s", storage.url, e)
 
 
 @dataclass

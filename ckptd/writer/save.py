@@ -6,7 +6,8 @@ state to its commit.
     write    the files, in parallel on the I/O threads
     partial  this rank's partial manifest
     commit   the coordinator (rank 0) merges the partials and commits (:mod:`.commit`); the
-             other ranks wait for it. Then retention and the metrics line.
+             other ranks wait for it. Then the metrics line; retention is owed, and
+             settled once the next save is staged or the Saver closes.
 
 Staging is one mechanism, :meth:`Saver._stage`, run in one of two places: in the caller's
 thread (the default: ``save_async`` returns once the state is staged) or on the save thread
@@ -121,6 +122,7 @@ class Saver(AgentHandover):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._writer = RankWriter(storage, io, self.pool, self.codec, level)
         self._handles: list[SaveHandle] = []
+        self._retention = retention.Owed()
         self._seq = 0
         self.generation = 0
         if options.rank == 0:
@@ -254,7 +256,8 @@ class Saver(AgentHandover):
     # ------------------------------------------------------------------ the save thread's half
     def _finish(self, job: _Job, stage_here: bool) -> None:
         """Stage (``overlap=True``), finish the writes, write the partial, commit or wait for
-        the commit; then retention."""
+        the commit; then retention is owed (settled at the next save's start here, or at
+        close)."""
         h, share, opts = job.handle, job.share, self.options
         partial_written = False
         on_agent: int | None = None  # the agent's stored bytes, once it did its part
@@ -263,6 +266,7 @@ class Saver(AgentHandover):
                 if stage_here:
                     self._stage(job)
                 t_staged = time.perf_counter()
+                self._retention.settle()  # the previous commit's, now that no copy runs
                 if job.ticket is not None:
                     on_agent = self._finish_on_agent(job)
                     # the agent records its own failures; only a lost agent leaves it to us
@@ -315,13 +319,10 @@ class Saver(AgentHandover):
                                       opts.rank, e)
                 self._writer.discard(share, n_files(job.rounds))
             return
-        if opts.rank == 0 and opts.keep_last > 0 and on_agent is None:
-            # after the commit is announced: deleting a large old step takes a while and must
-            # not delay "committed"; this thread finishes it before the next save's commit
-            try:
-                retention.apply_retention(self.storage, opts.keep_last)
-            except OSError as e:
-                log.warning("ckptd: retention after step %d failed: %s", share.step, e)
+        if opts.rank == 0 and on_agent is None:  # (the agent's own, if it committed)
+            # deleting a large old step takes a while: not before "committed", and not while
+            # the next save stages (retention.Owed)
+            self._retention.owe(self.storage, opts.keep_last)
 
     def _record(self, r: SaveResult) -> None:
         line = {"step": r.step, "rank": self.options.rank,
@@ -350,10 +351,12 @@ class Saver(AgentHandover):
         self.raise_pending()
 
     def close(self) -> None:
-        """Drain, then stop the save thread (raises a pending background error)."""
+        """Drain, settle the retention owed, then stop the save thread (raises a pending
+        background error)."""
         try:
             self.wait()
         finally:
+            self._thread.submit(self._retention.settle)
             self._thread.shutdown(wait=True)
 
 
