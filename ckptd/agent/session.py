@@ -58,6 +58,11 @@ class Session:
         self._next_segment = 0
         self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
         self._retention = retention.Owed()  # after rank 0's commit, settled by its next save
+        # the segments that jobs queued or running still use (the trainer may die meanwhile:
+        # then the job, not the session's end, decides whether its arena is kept or removed)
+        self._in_use: dict[int, int] = {}
+        self._ended = False
+        self._state = threading.Lock()
         self._next_lease = 0
         self.root = ""  # the root its saves go to, and whose trainer it is (from its hello)
         self.trainer: tuple[str, int] | None = None  # (run, rank)
@@ -93,9 +98,12 @@ class Session:
             for pinned in self._leases.values():
                 for k in pinned:
                     self.agent.memory.pin(k, -1)
+            with self._state:
+                self._ended = True
+                in_use = set(self._in_use)
             self.agent.memory.orphan(self)
-            for seg in self.segments.values():  # names go; a job still using one maps it
-                if not self.agent.memory.is_kept(seg):
+            for seg_id, seg in self.segments.items():  # names go, but not under a job
+                if seg_id not in in_use and not self.agent.memory.is_kept(seg):
                     self.agent.memory.forget(seg)
             self._jobs.submit(self._retention.settle)  # after the jobs still queued
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
@@ -144,6 +152,8 @@ class Session:
             seg = self.segments[int(msg["segment"])]
             job = JobKey.of(msg["storage"], msg["job"])
             self.agent.job_started(job)
+            with self._state:
+                self._in_use[int(msg["segment"])] = self._in_use.get(int(msg["segment"]), 0) + 1
             self._jobs.submit(self._run, int(msg["id"]), job, msg, int(msg["segment"]))
         elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
             # and they stop waiting for shares no agent writes or awaits (ckptd.agent.orphans)
@@ -234,7 +244,24 @@ class Session:
             self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
         finally:
             self.agent.release(claimed)
+            self._job_done(seg_id)
             self.agent.job_ended(key)
+
+    def _job_done(self, seg_id: int) -> None:
+        """A job on arena ``seg_id`` ended. If its trainer is gone, the step it kept is the
+        agent's alone, and an arena it did not keep is removed (the session's end left both to
+        the job: a step committed after its trainer died is still served from memory)."""
+        with self._state:
+            self._in_use[seg_id] -= 1
+            if self._in_use[seg_id]:
+                return
+            del self._in_use[seg_id]
+            ended = self._ended
+        if ended:
+            self.agent.memory.orphan(self)
+            seg = self.segments.get(seg_id)
+            if seg is not None and not self.agent.memory.is_kept(seg):
+                self.agent.memory.forget(seg)
 
 
 __all__ = ["Session"]

@@ -1,0 +1,78 @@
+"""The node agent with an S3 root (a real S3 server, moto, on 127.0.0.1): the agent opens the
+root from the URL and options its trainer gives it, commits there without the trainer, and a
+restart reads the step from the agent's memory, not from S3.
+
+(Until the session kept the arenas its jobs still used, a step committed after its trainer
+died was kept under a removed name: the restart read it from storage. Not S3's doing; this is
+where it showed.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from agent_procs import fork_ranks, reap, wait_until
+
+import ckptd
+
+N = 1 << 20  # 4 MiB of float32
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(N, generator=g), "b": torch.full((8,), float(step))}
+
+
+def _trainer(url: str, options: dict, conn) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    c = ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options, agent=True,
+                           keep_last=0, run_id="first")
+    assert c._saver is not None and c._saver.offload is not None, "no agent"
+    c.save(_state(1), step=1)
+    c.save_async(_state(2), step=2)  # the agent holds it; this process is killed right after
+    conn.send("returned")
+    conn.recv()
+
+
+def _latest(url: str, options: dict) -> int | None:
+    with ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options,
+                            read_only=True) as c:
+        return c.latest_step()
+
+
+def test_an_s3_save_survives_its_trainer_and_the_restart_reads_the_agent_s_memory(
+        s3_bucket, agents):
+    url, options = s3_bucket.url, s3_bucket.storage_options
+    procs = fork_ranks(_trainer, lambda rank: (url, options), 1)
+    try:
+        p, conn = procs[0]
+        assert conn.poll(120), "the trainer did not reach its last save"
+        assert conn.recv() == "returned"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        try:
+            wait_until(lambda: _latest(url, options) == 2, 60, "step 2 to commit on S3")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the agent's log:\n{agents.log()[-3000:]}") from None
+    finally:
+        reap(procs)
+    keys = [o["Key"] for o in s3_bucket.client().list_objects_v2(
+        Bucket=s3_bucket.bucket, Prefix=f"{s3_bucket.prefix}/step-000000002/")["Contents"]]
+    assert any(k.endswith("manifest.json") for k in keys), keys
+
+    dst = {"w": torch.zeros(N), "b": torch.zeros(8)}
+    with ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options, agent=True,
+                            run_id="restart") as c:  # the restarted job, same node
+        r = c.load(dst)
+    assert r.step == 2 and torch.equal(dst["w"], _state(2)["w"])
+    assert torch.equal(dst["b"], _state(2)["b"])
+    assert r.nbytes_read > 0 and r.nbytes_from_memory == r.nbytes_read
+    assert r.nbytes_from_storage == 0
+
+    dst = {"w": torch.zeros(N), "b": torch.zeros(8)}
+    with ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options,
+                            read_only=True) as c:  # and S3 itself holds it, bit-exact
+        r = c.load(dst)
+    assert r.step == 2 and r.nbytes_from_storage == r.nbytes_read > 0
+    assert torch.equal(dst["w"], _state(2)["w"])
