@@ -94,6 +94,13 @@ def _kill_loop(root: str, agents: Agents, points: int, seed: int) -> None:
         assert torch.equal(dst["model"]["b"], torch.full((16,), float(got)))
         step = steps[-1]
     assert len(pids) == 1, "one agent serves every incarnation of the job"
+    # the restart (one rank now) reads the last step from the agent's memory: committed after
+    # its trainers died, it is kept all the same
+    dst = {"model": {"w": torch.zeros(2 * N), "b": torch.zeros(16)}}
+    with ckptd.Checkpointer(root, rank=0, world_size=1, run_id="restart", agent=True) as c:
+        r = c.load(dst)
+    assert r.step == step and torch.equal(dst["model"]["w"], _expected(step))
+    assert r.nbytes_read > 0 and r.nbytes_from_memory == r.nbytes_read, r
 
 
 def test_sigkill_of_every_trainer_after_save_async_still_commits(tmp_path, agents):
