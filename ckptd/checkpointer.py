@@ -25,7 +25,7 @@ from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
-from ckptd.world import agree_run_id, dist_or_none, resolve_world
+from ckptd.world import agree_attempt_base, agree_run_id, dist_or_none, resolve_world
 from ckptd.writer import exiting
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
@@ -98,7 +98,9 @@ class Checkpointer:
                 keep_last=keep_last, compression=compression, threads=self.threads,
                 max_inflight=max_inflight, on_busy=on_busy,
                 host_budget_bytes=host_budget_bytes,
-                debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1")
+                debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1",
+                attempt_base=agree_attempt_base(
+                    self.world_size, bool(run_id or os.environ.get("CKPTD_RUN_ID"))))
             offload = connect_for(agent, root, storage_options, own_storage=storage is None,
                                   threads=self.threads, run_id=self.run_id, rank=self.rank)
             self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io,

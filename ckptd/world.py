@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,25 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise CkptdError(f"rank {rank} outside world of size {world_size}")
     return rank, world_size
+
+
+def agree_attempt_base(world_size: int, run_id_given: bool) -> int:
+    """Where a writer's attempt numbers start (attempts are ``<run>-<number>``). A run id
+    agreed here is new for every incarnation: 0. A run id the caller gave may be the same
+    across restarts (a scheduler's job id): then rank 0's clock in milliseconds, agreed by one
+    broadcast, so a restart never reuses its predecessor's attempt names (a commit would take
+    a dead incarnation's partial for a rank's share, and ``ckptd gc`` would judge the new
+    attempts older than the old ones, so dead). Ranks without a process group cannot agree
+    on it: 0, and a run id reused across their restarts keeps that hazard (``docs/api.md``)."""
+    if not run_id_given:
+        return 0
+    now = time.time_ns() // 1_000_000
+    dist = dist_or_none()
+    if dist is not None and dist.get_world_size() > 1:
+        box: list[Any] = [now if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+    return now if world_size == 1 else 0
 
 
 def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import resource
 import signal
+import threading
 import time
 
 import multirank
@@ -197,6 +198,61 @@ def test_a_failed_share_is_visible_through_storage_alone(tmp_path):
     assert os.path.exists(tmp_path / L.rank_failed_path(4, attempt, 1))
     for c in ranks:
         c.close()
+
+
+# ----------------------------------------------------------------------------- a reused run id
+class _HoldPartial(LocalStorage):
+    """Holds rank 0's partial manifest until ``go``: a save in flight, its data written."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        if "/ranks/" in path and path.endswith(".json"):
+            self.reached.set()
+            assert self.go.wait(60)
+        super().put_atomic(path, data)
+
+
+def test_a_restart_that_reuses_its_run_id_keeps_its_save_in_flight_from_gc(tmp_path):
+    """A scheduler's job id as run id, the same after a requeue: the restart's attempts must
+    not look older than its predecessor's, or ``ckptd gc`` removes a save in flight."""
+    root = str(tmp_path)
+    with ckptd.Checkpointer(root, run_id="job-42", keep_last=0) as first:
+        for s in (1, 2, 3):
+            first.save(_w(s), step=s)
+    held = _HoldPartial(root)
+    again = ckptd.Checkpointer(root, run_id="job-42", storage=held, keep_last=0)
+    try:
+        h = again.save_async(_w(4), step=4)
+        assert held.reached.wait(60)
+        report = retention.collect_garbage(LocalStorage(root))
+    finally:
+        held.go.set()
+    assert h.result().step == 4
+    again.close()
+    assert report.removed_incomplete == [] and report.removed_attempts == [], report
+    attempts = [catalog.read_manifest(LocalStorage(root), s).attempt for s in (3, 4)]
+    assert attempts[0] != attempts[1] and retention._seq(attempts[1]) > retention._seq(attempts[0])
+    step, w = _load_w(root)
+    assert step == 4 and torch.equal(w, torch.full((4,), 4.0))
+
+
+def _reuse_run_id(rank: int, world: int, root: str) -> list[str]:
+    attempts = []
+    for incarnation in range(2):  # the same run id twice, as after a requeue
+        with ckptd.Checkpointer(root, run_id="job-7", keep_last=0) as c:
+            r = c.save({"w": ckptd.Shard(torch.full((4,), float(incarnation)), (8,), (4 * rank,))},
+                       step=incarnation + 1)
+            attempts.append(c.read_manifest(r.step).attempt)
+    return attempts
+
+
+def test_ranks_agree_on_new_attempt_names_when_a_run_id_is_reused(tmp_path):
+    a, b = multirank.run(_reuse_run_id, 2, str(tmp_path), timeout=180)
+    assert a == b, "every rank's share in the same attempt (else nothing commits)"
+    assert a[0] != a[1] and retention._seq(a[1]) > retention._seq(a[0])
 
 
 # ----------------------------------------------------------------------------- latest, immutability

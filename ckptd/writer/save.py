@@ -79,6 +79,7 @@ class SaveOptions:
     on_busy: str = "block"  # or "skip"
     host_budget_bytes: int | None = None
     debug_overlap: bool = False  # check at wait_staged() that the state was not modified
+    attempt_base: int = 0  # the first attempt is number base + 1 (world.agree_attempt_base)
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Saver(AgentHandover):
         self._seq += 1
         share = Share(
             step=step,
-            attempt=f"{opts.run_id}-{self._seq:06d}",
+            attempt=f"{opts.run_id}-{opts.attempt_base + self._seq:06d}",
             rank=opts.rank,
             world_size=opts.world_size,
             declared={p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces},
