@@ -21,10 +21,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import build_state, default_dir, fmt_bytes, parse_size  # noqa: E402
+
 import ckptd  # noqa: E402
 from ckptd import config  # noqa: E402
 from ckptd.manifest import layout as L  # noqa: E402
-from common import build_state, default_dir, fmt_bytes, parse_size  # noqa: E402
 
 SETTINGS = {
     "default (adaptive)": {},
