@@ -102,7 +102,8 @@ class Checkpointer:
                 attempt_base=agree_attempt_base(
                     self.world_size, bool(run_id or os.environ.get("CKPTD_RUN_ID"))))
             offload = connect_for(agent, root, storage_options, own_storage=storage is None,
-                                  threads=self.threads, run_id=self.run_id, rank=self.rank)
+                                  threads=self.threads, incarnation=options.incarnation,
+                                  rank=self.rank)
             self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io,
                                 offload)
         _live.add(self)

@@ -1,7 +1,8 @@
 """A restart on rank 0's node while its agent still coordinates the old run's last step, one
 rank's share of which never comes (``ckptd/agent/orphans.py``): the agent asks the job's other
 agents, and fails the step at once when none writes or awaits the share — so the restart does
-not wait ``CKPTD_AGENT_DRAIN_S`` for it; while one may still come, it keeps waiting and commits.
+not wait ``CKPTD_AGENT_DRAIN_S`` for it; while one may still come, it keeps waiting and commits
+— also when the restart reuses its predecessor's run id (the agent tells incarnations apart).
 
 Two simulated nodes (a: rank 0, b: rank 1), each with its own agent; real trainer processes."""
 
@@ -55,10 +56,10 @@ def _kill(pid: int) -> None:
     wait_until(lambda: not alive(pid), 10, f"process {pid} to die")
 
 
-def _second_run(root: str, caplog: pytest.LogCaptureFixture) -> list[str]:
+def _second_run(root: str, caplog: pytest.LogCaptureFixture, run_id: str = "second") -> list[str]:
     """The restarted job's Checkpointer on node a (it drains the agent first); what it warned."""
     with caplog.at_level(logging.WARNING, logger="ckptd"):
-        ckptd.Checkpointer(root, rank=0, world_size=1, run_id="second", agent=True).close()
+        ckptd.Checkpointer(root, rank=0, world_size=1, run_id=run_id, agent=True).close()
     return [r.getMessage() for r in caplog.records if "still runs" in r.getMessage()]
 
 
@@ -100,15 +101,16 @@ def test_a_restart_fails_the_old_step_whose_missing_share_no_agent_holds(
     assert step == 1 and torch.equal(dst["model"]["w"], _expected(1))
 
 
+@pytest.mark.parametrize("run_id", ["second", "first"])  # "first": the restart reuses the id
 def test_a_restart_waits_for_a_share_whose_trainer_is_still_connected(
-        tmp_path, agents, monkeypatch, caplog):
+        tmp_path, agents, monkeypatch, caplog, run_id):
     monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
     monkeypatch.setenv("CKPTD_AGENT_DRAIN_S", _DRAIN_S)
     root = str(tmp_path / "root")
     a, b = agents.node, agents.node + "-b"
     procs = _start(root, a, b)
     warned: list[list[str]] = []
-    restart = threading.Thread(target=lambda: warned.append(_second_run(root, caplog)))
+    restart = threading.Thread(target=lambda: warned.append(_second_run(root, caplog, run_id)))
     try:
         (t0, _), (t1, c1) = procs
         _kill(t0.pid)

@@ -286,9 +286,11 @@ def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
 
 
 def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
-                own_storage: bool, threads: int, run_id: str, rank: int) -> AgentClient | None:
+                own_storage: bool, threads: int, incarnation: str,
+                rank: int) -> AgentClient | None:
     """This node's agent for a writing Checkpointer of ``root`` (started if none runs), once an
-    earlier run's saves in it are done; None without one: not ``wanted`` (None: ``$CKPTD_AGENT``
+    earlier incarnation's saves in it are done (``incarnation``: ``SaveOptions.incarnation``,
+    the agent's name for a run); None without one: not ``wanted`` (None: ``$CKPTD_AGENT``
     is 1), a storage object or ``memory://`` root the agent could not open (not
     ``own_storage``), or none to be had (with a warning)."""
     if not agent_wanted(wanted, root, own_storage=own_storage):
@@ -297,9 +299,9 @@ def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] 
         client = AgentClient.connect(
             {"url": root, "options": storage_options}, threads=threads,
             timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")),
-            trainer=(run_id, rank))
+            trainer=(incarnation, rank))
         # a previous incarnation's last saves commit before this one claims the root
-        busy = client.drain(run_id, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
+        busy = client.drain(incarnation, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
         if busy:
             log.warning("ckptd: rank %d: the node agent still runs %d save(s) of an earlier "
                         "job", rank, busy)

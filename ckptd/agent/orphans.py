@@ -62,8 +62,9 @@ class JobKey:
     def of(cls, spec: dict[str, Any], job: dict[str, Any]) -> JobKey:
         """From a job message (KeyError, ValueError, TypeError if malformed)."""
         share = job["share"]
-        return cls(root_key(spec), str(job["commit"]["run_id"]), str(share["attempt"]),
-                   int(share["rank"]))
+        c = job["commit"]
+        return cls(root_key(spec), str(c.get("incarnation") or c["run_id"]),
+                   str(share["attempt"]), int(share["rank"]))
 
 
 class Shares:

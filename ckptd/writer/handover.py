@@ -58,7 +58,8 @@ class AgentHandover:
         doc = remote.encode(
             job.share, rnd, codec=job.codec, level=self._writer.level,
             frame_bytes=config.get().frame_bytes,
-            commit_=remote.Commit(opts.run_id, self.generation, job.overwrite, opts.keep_last))
+            commit_=remote.Commit(opts.run_id, self.generation, job.overwrite, opts.keep_last,
+                                  opts.incarnation))
         try:
             job.ticket = self.offload.submit(job.arena.tensor, doc)
         except AgentLost as e:

@@ -91,6 +91,7 @@ class Commit:
     generation: int
     overwrite: bool
     keep_last: int
+    incarnation: str = ""  # how the agent tells restarts apart (SaveOptions.incarnation)
 
 
 def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int,
@@ -110,7 +111,8 @@ def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int
                               s.offset, s.nbytes] for s in p.slots]} for p in rnd.plans],
         "codec": codec, "level": level, "frame_bytes": frame_bytes,
         "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
-                   "overwrite": commit_.overwrite, "keep_last": commit_.keep_last},
+                   "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
+                   "incarnation": commit_.incarnation or commit_.run_id},
     }
 
 
@@ -152,7 +154,7 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
     c = doc["commit"]
     return Job(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
                Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
-                      int(c["keep_last"])))
+                      int(c["keep_last"]), str(c.get("incarnation") or c["run_id"])))
 
 
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,

@@ -81,6 +81,13 @@ class SaveOptions:
     debug_overlap: bool = False  # check at wait_staged() that the state was not modified
     attempt_base: int = 0  # the first attempt is number base + 1 (world.agree_attempt_base)
 
+    @property
+    def incarnation(self) -> str:
+        """This job incarnation's name for the node agent, which tells restarts apart by it
+        (its drain, :mod:`ckptd.agent.orphans`): the run id, and the attempt base when a
+        caller-chosen run id may be the same across restarts."""
+        return f"{self.run_id}@{self.attempt_base}" if self.attempt_base else self.run_id
+
 
 @dataclass
 class _Job:
