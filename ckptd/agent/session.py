@@ -65,7 +65,7 @@ class Session:
         self._state = threading.Lock()
         self._next_lease = 0
         self.root = ""  # the root its saves go to, and whose trainer it is (from its hello)
-        self.trainer: tuple[str, int] | None = None  # (run, rank)
+        self.trainer: tuple[str, int] | None = None  # (incarnation, rank)
 
     def reply(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
@@ -105,7 +105,7 @@ class Session:
             for seg_id, seg in self.segments.items():  # names go, but not under a job
                 if seg_id not in in_use and not self.agent.memory.is_kept(seg):
                     self.agent.memory.forget(seg)
-            self._jobs.submit(self._retention.settle)  # after the jobs still queued
+            self._jobs.submit(self._settle_retention)  # after the jobs still queued
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
             if self.trainer is not None:
                 self.agent.shares.connected(*self.trainer, -1)
@@ -211,7 +211,7 @@ class Session:
             seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
             nbytes = job.round.nbytes
-            self._retention.settle()  # the previous step's, now that this one is staged
+            self._settle_retention()  # the previous step's, now that this one is staged
             if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
                 staged = seg.view()[:nbytes]
                 to = self.agent.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
@@ -246,6 +246,12 @@ class Session:
             self.agent.release(claimed)
             self._job_done(seg_id)
             self.agent.job_ended(key)
+
+    def _settle_retention(self) -> None:
+        """Remove the old steps the last commit owes — unless the agent is stopping: its grace
+        window is for saves, and the next run's writer removes them."""
+        if not self.agent.stopping.is_set():
+            self._retention.settle()
 
     def _job_done(self, seg_id: int) -> None:
         """A job on arena ``seg_id`` ended. If its trainer is gone, the step it kept is the
