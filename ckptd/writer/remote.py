@@ -91,7 +91,7 @@ class Commit:
     generation: int
     overwrite: bool
     keep_last: int
-    incarnation: str = ""  # how the agent tells restarts apart (SaveOptions.incarnation)
+    incarnation: str  # how the agent tells restarts apart (SaveOptions.incarnation)
 
 
 def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int,
@@ -112,7 +112,7 @@ def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int
         "codec": codec, "level": level, "frame_bytes": frame_bytes,
         "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
                    "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
-                   "incarnation": commit_.incarnation or commit_.run_id},
+                   "incarnation": commit_.incarnation},
     }
 
 
