@@ -121,7 +121,10 @@ def test_a_save_whose_commit_failed_is_not_committed_by_the_next_reader(tmp_path
     assert not os.path.exists(tmp_path / L.manifest_path(2))
 
 
-def test_a_new_owner_commits_its_predecessors_last_complete_step_when_it_takes_over(tmp_path):
+@pytest.mark.parametrize("restart_id", ["restarted", "first"], ids=["new-id", "same-id"])
+def test_a_new_owner_commits_its_predecessors_last_complete_step_when_it_takes_over(
+    tmp_path, restart_id
+):
     root = str(tmp_path)
     with ckptd.Checkpointer(root, run_id="first", keep_last=0) as c:
         c.save(_w(1), step=1)
@@ -129,7 +132,8 @@ def test_a_new_owner_commits_its_predecessors_last_complete_step_when_it_takes_o
     _uncommit(root, 2)  # its coordinator died after every share was durable
     with ckptd.Checkpointer(root, read_only=True) as reader:
         assert reader.latest_step() == 1  # a reader commits nothing
-    with ckptd.Checkpointer(root, run_id="restarted") as c:  # a writer takes over
+    # a writer takes over: a new run, or the same run id again (a requeued job)
+    with ckptd.Checkpointer(root, run_id=restart_id) as c:
         assert c.latest_step() == 2
         dst = _w(0)
         assert c.load(dst).step == 2 and torch.equal(dst["w"], torch.full((4,), 2.0))

@@ -320,14 +320,17 @@ def claim(storage: Storage, run_id: str) -> int:
 
     Before taking over, the outgoing owner's complete attempts that its coordinator did not
     live to commit are committed in its name (:func:`recover`): a restarted job then resumes
-    from the newest state its predecessor made durable."""
+    from the newest state its predecessor made durable. The same run id again (a caller's id
+    reused across restarts: ``CKPTD_RUN_ID``, a scheduler's job id) keeps its generation and
+    recovers its earlier incarnation's attempts in the same way."""
     prev = read_owner(storage)
-    if prev is not None and prev.run == run_id:
-        return prev.generation  # the same run again (CKPTD_RUN_ID across restarts)
     if prev is not None:
+        which = "an earlier incarnation of this run" if prev.run == run_id else "the previous run"
         for step in recover(storage, prev):
-            log.warning("ckptd: committed step %d of the previous run %s, whose coordinator "
-                        "stopped after every rank's share was durable", step, prev.run)
+            log.warning("ckptd: committed step %d of %s (%s), whose coordinator stopped after "
+                        "every rank's share was durable", step, which, prev.run)
+        if prev.run == run_id:
+            return prev.generation
     generation = (prev.generation if prev is not None else 0) + 1
     storage.put_atomic(layout.OWNER, Owner(run_id, generation, time.time()).encode())
     return generation
