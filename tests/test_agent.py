@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from agent_procs import Agents, alive, fork_ranks, wait_until
+from agent_procs import Agents, alive, fork_ranks, reap, wait_until
 
 import ckptd
 from ckptd.agent import wire
@@ -284,24 +284,29 @@ def _save_on_node(root: str, rank: int, node: str, conn, stay: bool = False) -> 
         conn.send("saved")
 
 
-def _load_step_1(root: str, rank: int, world: int) -> tuple[bool, int, int, int]:
-    """Rank ``rank`` of ``world`` loads its slice of step 1 through its node's agent:
-    bit-exact?, bytes read, from this node's memory, from other nodes' memory."""
+def _load_step(root: str, rank: int, world: int,
+                 step: int = 1) -> tuple[bool, int, int, int]:
+    """Rank ``rank`` of ``world`` loads its slice of ``step`` (the latest) through its node's
+    agent: bit-exact?, bytes read, from this node's memory, from other nodes' memory."""
     n = 2 * N
     a, b = rank * n // world, (rank + 1) * n // world  # uneven: 3 does not divide 2N evenly
     dst = {"model": {"w": ckptd.Shard(torch.zeros(b - a), (n,), (a,)), "b": torch.zeros(16)}}
     with ckptd.Checkpointer(root, rank=rank, world_size=world, run_id="second",
                             agent=True) as c:
         r = c.load(dst)
-    ok = torch.equal(dst["model"]["w"].local, _expected(1)[a:b]) and \
-        torch.equal(dst["model"]["b"], torch.full((16,), 1.0))
+    ok = r.step == step and torch.equal(dst["model"]["w"].local, _expected(step)[a:b]) and \
+        torch.equal(dst["model"]["b"], torch.full((16,), float(step)))
     return ok, r.nbytes_read, r.nbytes_from_memory, r.nbytes_from_peer
 
 
-def _load_on(root: str, rank: int, world: int, node: str, conn) -> None:
+def _load_on(root: str, rank: int, world: int, node: str, conn, step: int = 1) -> None:
     torch.set_num_threads(1)
     os.environ["CKPTD_NODE_ID"] = node
-    conn.send(_load_step_1(root, rank, world))
+    conn.send(_load_step(root, rank, world, step))
+
+
+def _load_step_2_on(root: str, rank: int, world: int, node: str, conn) -> None:
+    _load_on(root, rank, world, node, conn, 2)
 
 
 def _ranks(target, args_of, world: int) -> list:
@@ -389,7 +394,7 @@ def test_the_agent_removes_an_old_step_once_the_next_save_is_staged(tmp_path, ag
         assert c.load(dst).step == 3 and torch.equal(dst["w"], _big(3)["w"])
 
 
-def _save_then_stall(root: str, rank: int, node: str, conn) -> None:
+def _save_then_stall(root: str, rank: int, node: str, conn) -> ckptd.Checkpointer:
     """Step 1 on both ranks; step 2 on rank 1 only (rank 0's node is lost before it hands
     step 2 over), so step 2 never commits; rank 1 is killed while it waits for that commit."""
     torch.set_num_threads(1)
@@ -399,7 +404,8 @@ def _save_then_stall(root: str, rank: int, node: str, conn) -> None:
     if rank == 1:
         c.save_async(_state(2, rank), step=2)
     conn.send("saved")
-    conn.recv()  # killed here
+    conn.recv()  # killed here (_stage_step_2: rank 0 goes on)
+    return c
 
 
 def _holds_step(root: str, node: str, rank: int, step: int) -> bool:
@@ -462,11 +468,54 @@ def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatc
     assert got[0][3] <= 64 and got[2][2] <= 64 and got[2][3] > 0
 
 
+def _stage_step_2(root: str, rank: int, node: str, conn) -> None:
+    """Step 1 on both ranks; step 2 staged on rank 1 (killed after), saved by rank 0 when
+    told (it commits with rank 1's share, which rank 1's agent wrote)."""
+    c = _save_then_stall(root, rank, node, conn)  # rank 1 is killed in there
+    c.save(_state(2, rank), step=2)
+    c.close()
+    conn.send("committed")
+
+
+def test_a_copy_sent_while_its_step_is_written_outlives_a_node_lost_before_the_commit(
+        tmp_path, agents, monkeypatch):
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    procs = fork_ranks(_stage_step_2, lambda r: (root, r, (a, b)[r]), 2)
+    try:
+        for _, parent in procs:
+            assert parent.poll(120) and parent.recv() == "saved"
+        # node b's agent wrote rank 1's share of step 2, which cannot commit yet (rank 0 has
+        # not saved it), and node a holds its copy already: sent when it was staged, not after
+        # the commit (the default, under which this wait times out)
+        wait_until(lambda: _holds_step(root, b, 1, 2) and _holds_step(root, a, 1, 2), 60,
+                   "node a to hold rank 1's step 2 before it commits")
+        assert _holds_step(root, a, 1, 1), "the committed copy went before its successor"
+        pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+        os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory, and its trainer
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
+        procs[0][1].send("go")  # rank 0's share: step 2 commits
+        assert procs[0][1].poll(120) and procs[0][1].recv() == "committed"
+    finally:
+        reap(procs)
+    assert _latest(root) == 2
+    for path in _data_bytes(root, 2):  # storage cannot serve rank 1's part of step 2
+        if "/r00001" in path:
+            os.remove(path)
+    [(ok, nbytes, from_memory, from_peer)] = _ranks(_load_step_2_on, lambda r: (root, r, 1, a),
+                                                    1)
+    assert ok, "not bit-exact"
+    assert nbytes == from_memory + from_peer and from_peer >= 4 * N  # rank 1's half: the copy
+
+
 def _load_in_group(rank: int, world: int, root: str, env: dict[str, str], nodes: list[str]):
     # one offer per node: from the node's first local rank
     local = nodes[:rank].count(nodes[rank])
     os.environ.update(env, CKPTD_NODE_ID=nodes[rank], LOCAL_RANK=str(local))
-    return _load_step_1(root, rank, world)
+    return _load_step(root, rank, world)
 
 
 def test_a_restart_on_other_nodes_reads_what_another_agent_holds_from_it(tmp_path, agents,

@@ -5,10 +5,12 @@ A kept step belongs to its trainer's session until that session ends (then to th
 Per rank the agent keeps the newest ``keep_in_memory`` *committed* steps, and up to as many newer
 steps whose commit it has not seen yet (rank 0's agent commits itself; the others learn it from
 their trainer, which waits for the commit anyway): a node lost while a save is in flight leaves
-that step uncommitted, and the restart loads the committed one — from memory. An older step is
-dropped once a newer one is known committed: given back to its trainer (the arena is staged into
-again) or, if the trainer is gone, removed. A step that is still being sent to a peer, or read by
-a load, is given back only once the copy is sent and the load done.
+that step uncommitted, and the restart loads the committed one — from memory. Peer copies
+alike: one sent before its step committed (``CKPTD_PEER_COPY=staged``) counts as uncommitted
+until its sender's notice. An older step is dropped once a newer one is known committed: given
+back to its trainer (the arena is staged into again) or, if the trainer is gone, removed. A step
+that is still being sent to a peer, or read by a load, is given back only once the copy is sent
+and the load done.
 
 The budget counts every segment the agent created and has not removed. An arena over it is
 refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
@@ -42,7 +44,9 @@ class Kept:
     pins: int = 0  # peer copies being sent from it, loads reading it
     dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
     origin: str | None = None  # a peer copy: the node it is a copy of; None: this node's own
-    committed: bool = False  # the agent saw its step commit (peer copies: always)
+    committed: bool = False  # the agent saw its step commit (a peer copy: its sender did)
+    sent_early: bool = False  # sent to the peers while being written (``CKPTD_PEER_COPY``)
+    copy: Any | None = None  # its peer copy (an ``Outgoing``), once sent
 
 
 def root_key(spec: dict[str, Any]) -> str:
@@ -109,6 +113,21 @@ class Memory:
             found.committed = True
             dropped = self._trim(steps)
         return found, [k.seg_id for k in dropped if self._release(k, caller)]
+
+    def peer_committed(self, spec: dict[str, Any], origin: str, rank: int, step: int) -> bool:
+        """Node ``origin``'s copy of ``rank``'s ``step``, received before its commit, has
+        committed: keep it as that rank's newest committed step (the copy before it is
+        removed). False if it is not held (any more)."""
+        with self._lock:
+            steps = self._kept.get((root_key(spec), rank), [])
+            found = next((k for k in steps if k.step == step and k.origin == origin), None)
+            if found is None:
+                return False
+            found.committed = True
+            dropped = self._trim(steps)
+        for k in dropped:
+            self._release(k)
+        return True
 
     def _trim(self, steps: list[Kept]) -> list[Kept]:
         """Drop from ``steps`` (oldest first) all but the newest ``keep_n`` committed steps and

@@ -70,13 +70,15 @@ class PeerServer:
     same for a hand-off (``header["op"] == "handoff"``: a stopping agent's save, to be written
     here). ``lookup(spec, path)`` gives a file held in memory and what to call when it has been
     read; None if not held. ``holds(question)`` answers which shares this agent writes or
-    awaits (``question["op"] == "holds"``: :mod:`ckptd.agent.orphans`)."""
+    awaits (``question["op"] == "holds"``: :mod:`ckptd.agent.orphans`); ``notice(header)``
+    learns that a copy sent before its commit has committed (``header["op"] ==
+    "committed"``)."""
 
     def __init__(self, secret: bytes, host: str, accept: Accept,
                  lookup: Lookup | None = None, take_over: Accept | None = None,
-                 holds: Answer | None = None) -> None:
+                 holds: Answer | None = None, notice: Answer | None = None) -> None:
         self.secret, self._accept, self._lookup = secret, accept, lookup
-        self._take_over, self._holds = take_over, holds
+        self._take_over, self._holds, self._notice = take_over, holds, notice
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -107,8 +109,10 @@ class PeerServer:
                 if header.get("op") == "read":
                     self._reads(conn, header)
                     return
-                if header.get("op") == "holds":
-                    wire.send(conn, self._holds(header) if self._holds is not None else
+                answers = {"holds": self._holds, "committed": self._notice}
+                if header.get("op") in answers:
+                    answer_of = answers[header["op"]]
+                    wire.send(conn, answer_of(header) if answer_of is not None else
                               {"ok": False, "error": "no answer to that here"})
                     return
                 total = sum(int(n) for n in header["files"].values())

@@ -7,9 +7,12 @@ that a node lost with its memory is read from a peer's memory, not from storage.
   root (host, port), and sends to the ``k`` nodes after its own in the sorted list of registered
   nodes (a ring), ``$CKPTD_PEER_COPIES`` (default 1). Its address is ``$CKPTD_AGENT_HOST``
   (default 127.0.0.1: set it to the node's cluster address).
-* **When**: after the step is written and the trainer told, on a thread of its own, at most
-  ``$CKPTD_PEER_RATE`` bytes/s (default unlimited): replication never delays a commit or the
-  trainer. A copy that does not fit the receiver's memory budget is skipped with a warning.
+* **When**: after the step is committed and the trainer told (``$CKPTD_PEER_COPY=committed``,
+  the default), or as soon as it is staged, while it is being written
+  (``$CKPTD_PEER_COPY=staged``: the receiver holds it as uncommitted, beside the committed copy
+  before it, until a notice says it committed); on a thread of its own, at most
+  ``$CKPTD_PEER_RATE`` bytes/s (default unlimited): replication never waits for, or holds up,
+  the trainer. A copy that does not fit the receiver's memory budget is skipped with a warning.
 * **Hand-off**: a stopping agent (SIGTERM) whose node cannot write a save inside the grace left
   sends that save's job and staged bytes to the next agent of the ring that is not stopping,
   which writes it (files, partial, on rank 0 the commit) as if its own trainer had staged it
@@ -26,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.agent import wire
@@ -39,7 +42,17 @@ REGISTRY = "_agents"
 RETRY_S = 60.0  # how long a copy waits for peers to announce themselves
 
 
-@dataclass
+def copy_when() -> str:
+    """``$CKPTD_PEER_COPY``: ``committed`` (the default) or ``staged``."""
+    when = os.environ.get("CKPTD_PEER_COPY", "committed")
+    if when not in ("committed", "staged"):
+        log.warning("ckptd agent: CKPTD_PEER_COPY=%s is neither 'committed' nor 'staged': "
+                    "copies are sent once committed", when)
+        return "committed"
+    return when
+
+
+@dataclass(eq=False)
 class Outgoing:
     """One rank's files of one step, to be sent to the peers."""
 
@@ -49,6 +62,26 @@ class Outgoing:
     step: int
     files: dict[str, memoryview]  # path -> bytes (views of the kept arena)
     done: Callable[[], None]  # sent or given up: the arena may be used again
+    committed: bool = True  # False: sent while being written; a Notice follows the commit
+    holders: list[dict[str, Any]] = field(default_factory=list)  # the peers that took it
+    cancel: threading.Event = field(default_factory=threading.Event)  # its step failed
+    finished: threading.Event = field(default_factory=threading.Event)  # sent or given up
+
+    def abandon(self, timeout_s: float = 60.0) -> None:
+        """Stop sending (the save failed: the trainer gets its arena back) and wait until the
+        replicator no longer reads it."""
+        self.cancel.set()
+        if not self.finished.wait(timeout_s):
+            log.warning("ckptd agent: rank %d step %d: the peer copy did not stop in %.0f s",
+                        self.rank, self.step, timeout_s)
+
+
+@dataclass(eq=False)
+class Notice:
+    """A copy sent while its step was being written (``copy.committed`` False) has committed:
+    tell the peers that took it, after the copy itself (one queue, in order)."""
+
+    copy: Outgoing
 
 
 class Replicator:
@@ -59,7 +92,7 @@ class Replicator:
                  rate: float | None, stopping: threading.Event | None = None) -> None:
         self.node, self.secret, self.address, self.k, self.rate = node, secret, address, k, rate
         self.stopping = stopping or threading.Event()  # then no more waiting for new peers
-        self._queue: queue.Queue[Outgoing] = queue.Queue()
+        self._queue: queue.Queue[Outgoing | Notice] = queue.Queue()
         self._registered: set[str] = set()
         self.sent = 0  # bytes, for tests and the log
         self._pending = 0  # copies submitted and not yet sent or given up
@@ -80,7 +113,7 @@ class Replicator:
         other node of the job that did)."""
         return storage.url in self._registered
 
-    def submit(self, item: Outgoing) -> None:
+    def submit(self, item: Outgoing | Notice) -> None:
         with self._idle:
             self._pending += 1
         self._queue.put(item)
@@ -112,16 +145,29 @@ class Replicator:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            if isinstance(item, Notice):
+                try:
+                    self._notify(item.copy)
+                except Exception as e:  # noqa: BLE001 - the peer keeps the step before too
+                    log.warning("ckptd agent: commit notice of rank %d step %d failed: %s",
+                                item.copy.rank, item.copy.step, e)
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+                continue
             try:
+                if item.cancel.is_set():
+                    continue
                 copies = self._replicate(item)
                 if copies < self.k:
                     log.warning("ckptd agent: rank %d step %d has %d of %d peer copies",
                                 item.rank, item.step, copies, self.k)
-            except Exception as e:  # noqa: BLE001 - a copy is a bonus: the step is durable
+            except Exception as e:  # noqa: BLE001 - a copy is a bonus: storage has the step
                 log.warning("ckptd agent: peer copy of rank %d step %d failed: %s", item.rank,
                             item.step, e)
             finally:
                 item.done()
+                item.finished.set()
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -145,7 +191,7 @@ class Replicator:
                     log.warning("ckptd agent: no copy of rank %d step %d on node %s: %s",
                                 item.rank, item.step, peer.get("node"), e)
             if (copies >= self.k or time.monotonic() > deadline or not self._queue.empty()
-                    or self.stopping.is_set()):
+                    or self.stopping.is_set() or item.cancel.is_set()):
                 return copies
             self.stopping.wait(pause)  # until another node announces itself
             pause = min(2 * pause, 5.0)
@@ -153,14 +199,37 @@ class Replicator:
     def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
         """One copy to ``peer``: True if it holds it now, False if it had no room."""
         header = {"spec": item.spec, "origin": self.node, "rank": item.rank, "step": item.step,
-                  "files": {p: len(m) for p, m in item.files.items()}}
-        if not self._transfer(peer, header, list(item.files.values()), self.rate):
+                  "files": {p: len(m) for p, m in item.files.items()},
+                  "committed": item.committed}
+        if not self._transfer(peer, header, list(item.files.values()), self.rate,
+                              cancel=item.cancel):
             log.warning("ckptd agent: node %s has no room for rank %d step %d: skipped",
                         peer["node"], item.rank, item.step)
             return False
-        log.info("ckptd agent: rank %d step %d copied to node %s", item.rank, item.step,
-                 peer["node"])
+        item.holders.append(peer)
+        log.info("ckptd agent: rank %d step %d copied to node %s%s", item.rank, item.step,
+                 peer["node"], "" if item.committed else " (not committed yet)")
         return True
+
+    def _notify(self, copy: Outgoing) -> None:
+        """Tell each peer that holds ``copy`` that its step committed: it then keeps it as the
+        newest committed step of that rank (and drops the one before)."""
+        for peer in copy.holders:
+            notice = {"op": "committed", "spec": copy.spec, "origin": self.node,
+                      "rank": copy.rank, "step": copy.step}
+            try:
+                with socket.create_connection((peer["host"], int(peer["port"])),
+                                              timeout=10) as s:
+                    s.settimeout(10)
+                    answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
+                    wire.send(s, notice)
+                    if not wire.recv(s, 4096).get("ok"):
+                        log.warning("ckptd agent: node %s no longer holds rank %d step %d",
+                                    peer["node"], copy.rank, copy.step)
+            except (OSError, ValueError) as e:
+                log.warning("ckptd agent: node %s was not told that rank %d step %d committed "
+                            "(it keeps the step before too): %s", peer.get("node"), copy.rank,
+                            copy.step, e)
 
     def hand_off(self, storage: Storage, spec: dict[str, Any], job: dict[str, Any],
                  staged: memoryview, rank: int, step: int,
@@ -193,7 +262,8 @@ class Replicator:
 
     def _transfer(self, peer: dict[str, Any], header: dict[str, Any],
                   parts: list[memoryview], rate: float | None,
-                  deadline: float | None = None) -> bool:
+                  deadline: float | None = None,
+                  cancel: threading.Event | None = None) -> bool:
         """``header`` then ``parts`` to ``peer`` (at most ``rate`` bytes/s; 60 s for each
         socket operation, and all of it before the monotonic ``deadline`` if given): True once
         it holds them, False if it refused them (no room, or stopping)."""
@@ -218,6 +288,8 @@ class Replicator:
             sent = 0
             for mem in parts:
                 for i in range(0, len(mem), 4 << 20):
+                    if cancel is not None and cancel.is_set():
+                        raise ConnectionError("its save failed: copy abandoned")
                     part = mem[i: i + (4 << 20)]
                     bound(s)
                     s.sendall(part)
@@ -233,4 +305,4 @@ class Replicator:
             return True
 
 
-__all__ = ["Outgoing", "Replicator"]
+__all__ = ["Notice", "Outgoing", "Replicator", "copy_when"]

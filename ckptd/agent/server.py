@@ -12,7 +12,7 @@ socket's mode.
 SIGTERM or a ``stop`` request: stop accepting new clients; serve the connected trainers until
 they close (their last save comes after the SIGTERM) or the grace window ends; finish every job —
 a save that cannot be written in the grace left is handed to a peer that is not stopping
-(:meth:`Agent.claim`, :meth:`Agent.hand_off`); wait for the newest step's peer copies inside the
+(:meth:`Agent.claim`, :meth:`Peering.hand_off`); wait for the newest step's peer copies inside the
 grace left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
 itself (a job's agent does not outlive it for long).
 """
@@ -29,13 +29,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptd.agent import handoff, orphans, wire
-from ckptd.agent.memory import Kept, Memory, OverBudget
+from ckptd.agent import orphans, wire
+from ckptd.agent.memory import Memory
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peer_link import PeerServer, job_secret
-from ckptd.agent.peers import Outgoing, Replicator
+from ckptd.agent.peering import Peering
 from ckptd.agent.session import Session
-from ckptd.agent.shm import Segment, stale_segments, unlink
+from ckptd.agent.shm import stale_segments, unlink
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import exiting
 
@@ -53,8 +52,7 @@ class Agent:
         self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
         self.keep_in_memory = keep_in_memory
         self.memory = Memory(keep_in_memory, budget, self._give_back)
-        self.peers: PeerServer | None = None
-        self.replicator: Replicator | None = None
+        self.peering = Peering(self)  # the job's other agents (with CKPTD_JOB_SECRET)
         self.paths = wire.paths(node, directory)
         self.stopping = threading.Event()
         self.deadline: float | None = None  # monotonic end of the grace window, once stopping
@@ -83,7 +81,7 @@ class Agent:
             return 0
         for path in stale_segments(self.node):  # a killed agent's; we hold the node's lock
             unlink(path)
-        self._start_peers()
+        self.peering.start()
         unlink(self.paths["sock"])  # a dead agent's; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -111,8 +109,7 @@ class Agent:
             listener.close()
             unlink(self.paths["sock"])
             self._drain()
-            if self.peers is not None:
-                self.peers.close()
+            self.peering.close()
             self.memory.close()
             os.close(lock_fd)
         log.info("ckptd agent %d stopped", os.getpid())
@@ -150,104 +147,6 @@ class Agent:
         with self._lock:
             self._writing -= nbytes
 
-    def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
-                 rank: int, step: int) -> str | None:
-        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`), inside the
-        grace left."""
-        if self.replicator is None:
-            return None
-        return self.replicator.hand_off(self.storage(spec), spec, job, staged, rank, step,
-                                        self.grace_left())
-
-    def _start_peers(self) -> None:
-        secret = job_secret()
-        if secret is None:
-            log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
-            return
-        self.peers = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
-                                self._peer_accept, self._peer_lookup, self._take_over,
-                                self.shares.answer)
-        rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
-        self.replicator = Replicator(self.node, secret, self.peers.address,
-                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
-                                     self.stopping)
-        log.info("ckptd agent: peer copies on, listening at %s:%d", *self.peers.address)
-
-    def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
-        """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
-        try:
-            return self.memory.create(max(total, 1), f"{self.node}+{what}")
-        except (OverBudget, OSError) as e:
-            log.warning("ckptd agent: no room for node %s's rank %s step %s (%s): %s",
-                        header.get("origin"), header.get("rank"), header.get("step"), what, e)
-            return None
-
-    def _peer_accept(self, header: dict[str, Any],
-                     total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
-        seg = self._room_for(header, total, "peer")
-        if seg is None:
-            return None
-
-        def finish(ok: bool) -> None:
-            if ok:
-                self._peer_stored(header, seg)
-            else:
-                self.memory.forget(seg)
-
-        return seg.view()[:total], finish
-
-    def _take_over(self, header: dict[str, Any],
-                   total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
-        """A stopping peer's save, to write here: refused when this agent stops too."""
-        if self.stopping.is_set():
-            return None
-        job = JobKey.of(header["spec"], header["job"])  # a malformed header fails before memory
-        seg = self._room_for(header, total, "handoff")
-        if seg is None:
-            return None
-        self.job_started(job)  # a restart on this node waits for it (``drain``)
-
-        def finish(ok: bool) -> None:
-            if not ok:
-                self.memory.forget(seg)
-                self.job_ended(job)
-                return
-            threading.Thread(target=self._write_handed, args=(header, seg, job),
-                             name="ckptd-handoff", daemon=True).start()
-
-        return seg.view()[:total], finish
-
-    def _write_handed(self, header: dict[str, Any], seg: Segment, job: JobKey) -> None:
-        try:
-            handoff.write(self.storage(header["spec"]), header, seg.tensor, self.node,
-                          self.give_up(header["spec"], job))
-        except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
-            log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
-                      header.get("origin"), header.get("rank"), header.get("step"), e)
-        finally:
-            self.memory.forget(seg)
-            self.job_ended(job)
-
-    def _peer_lookup(self, spec: dict[str, Any],
-                     path: str) -> tuple[memoryview, Callable[[], None]] | None:
-        found = self.memory.lookup(spec, path)
-        if found is None:
-            return None
-        kept, mem = found
-        return mem, lambda: self.memory.pin(kept, -1)
-
-    def _peer_stored(self, header: dict[str, Any], seg: Segment) -> None:
-        files, at = {}, 0
-        for path, n in header["files"].items():
-            files[str(path)] = (at, at + int(n))
-            at += int(n)
-        released = self.memory.keep(header["spec"], int(header["rank"]),
-                                    Kept(int(header["step"]), seg, files, None, -1,
-                                         origin=str(header["origin"]), committed=True))
-        assert not released
-        log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes)", header["origin"],
-                 header["rank"], header["step"], at)
-
     def grace_check(self, spec: dict[str, Any], rank: int, nbytes: int,
                     write_s: float) -> str | None:
         """Whether this node's state under ``spec`` can be written inside the SIGTERM grace
@@ -264,26 +163,12 @@ class Agent:
         if need <= grace or root in self._warned:
             return None
         self._warned.add(root)
-        advice = ("the peer copies keep it safe if this node is lost" if self.replicator else
-                  "set CKPTD_JOB_SECRET to keep a peer copy")
+        advice = ("the peer copies keep it safe if this node is lost"
+                  if self.peering.replicator else "set CKPTD_JOB_SECRET to keep a peer copy")
         msg = (f"{node / 1e9:.1f} GB per node at {bps / 1e9:.2f} GB/s needs {need:.0f} s > "
                f"{grace:.0f} s of SIGTERM grace: {advice}")
         log.warning("ckptd agent: %s", msg)
         return msg
-
-    def replicate(self, spec: dict[str, Any], rank: int, kept: Kept) -> None:
-        """Send a committed step to the peers (only committed steps: a peer keeps what it
-        receives as committed)."""
-        rep = self.replicator
-        if rep is None:
-            return
-        storage = self.storage(spec)
-        rep.register(storage)
-        mem = kept.segment.view()
-        self.memory.pin(kept, +1)
-        rep.submit(Outgoing(spec, storage, rank, kept.step,
-                            {p: mem[a:b] for p, (a, b) in kept.files.items()},
-                            lambda: self.memory.pin(kept, -1)))
 
     def _give_back(self, owner: Any, seg_id: int) -> None:
         owner.reply({"op": "released", "segments": [seg_id]})
@@ -310,8 +195,8 @@ class Agent:
                 self._idle.wait(min(1.0, self.grace_left()))
         while self.wait_idle(60.0):
             log.info("ckptd agent: waiting for %d job(s) before exiting", self._busy)
-        if self.replicator is not None:
-            left = self.replicator.wait_sent(max(0.0, self.grace_left()))
+        if self.peering.replicator is not None:
+            left = self.peering.replicator.wait_sent(max(0.0, self.grace_left()))
             if left:
                 log.warning("ckptd agent: exiting with %d peer copies not sent", left)
 
@@ -371,7 +256,7 @@ class Agent:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot
         come: its run was restarted on this node and no agent writes or awaits them
         (:mod:`ckptd.agent.orphans`)."""
-        return orphans.give_up(self.replicator, self.storage(spec), self.shares, job)
+        return orphans.give_up(self.peering.replicator, self.storage(spec), self.shares, job)
 
     def session_ended(self, session: Session) -> None:
         with self._lock:

@@ -124,17 +124,17 @@ class Session:
             if self.trainer is None and msg.get("run") is not None:
                 self.trainer = (str(msg["run"]), int(msg["rank"]))
                 self.agent.shares.connected(*self.trainer, +1)
-            if self.agent.replicator is not None and spec.get("url"):
+            if self.agent.peering.replicator is not None and spec.get("url"):
                 # announced before the first save, so that every node's first copy finds its
                 # peers
-                self.agent.replicator.register(self.agent.storage(spec))
+                self.agent.peering.replicator.register(self.agent.storage(spec))
             threads = max(1, int(msg.get("threads", config.io_threads())))
             if self._io is None:
                 self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}",
                                               initializer=background)
             self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
                         "version": remote.VERSION, "keep": self.agent.keep_in_memory,
-                        "peers": self.agent.replicator is not None})
+                        "peers": self.agent.peering.replicator is not None})
         elif op == "arena":
             nbytes = int(msg["nbytes"])
             self._next_segment += 1
@@ -165,7 +165,8 @@ class Session:
             files, pinned = self.agent.memory.pin_files(msg["storage"])
             self._next_lease += 1
             self._leases[self._next_lease] = pinned
-            address = self.agent.peers.address if self.agent.peers is not None else None
+            server = self.agent.peering.server
+            address = server.address if server is not None else None
             self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease,
                         "address": address})
         elif op == "unpin":
@@ -175,7 +176,7 @@ class Session:
             rank, step = int(msg["rank"]), int(msg["step"])
             kept, released = self.agent.memory.committed(msg["storage"], rank, step, self)
             if kept is not None:
-                self.agent.replicate(msg["storage"], rank, kept)
+                self.agent.peering.step_committed(msg["storage"], rank, kept)
             if released:  # before the reply: the trainer has them back when it returns
                 self.reply({"op": "released", "segments": released})
             self.reply({"id": rid, "op": "committed"})
@@ -187,16 +188,15 @@ class Session:
             raise ValueError(f"unknown request {op!r}")
 
     def _keep(self, job: remote.Job, seg: Segment, seg_id: int) -> Kept | None:
-        """The memory tier's copy of this step: the arena itself (no copy); committed if this
-        agent committed it (rank 0's). Only uncompressed files: there the arena range is the
-        file."""
+        """The memory tier's copy of this step: the arena itself (no copy). Only uncompressed
+        files: there the arena range is the file."""
         if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
             return None
         share = job.share
         step_dir = layout.step_dir(share.step)
         files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
                  (p.start, p.end) for p in job.round.plans}
-        return Kept(share.step, seg, files, self, seg_id, committed=share.rank == 0)
+        return Kept(share.step, seg, files, self, seg_id)
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
         left = self.agent.wait_idle(timeout_s, but=run)
@@ -214,7 +214,7 @@ class Session:
             self._settle_retention()  # the previous step's, now that this one is staged
             if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
                 staged = seg.view()[:nbytes]
-                to = self.agent.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
+                to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
                                          job.share.step)
                 if to is not None:
                     self.reply({"id": rid, "op": "done", "nbytes": nbytes, "write_s": 0.0,
@@ -225,16 +225,26 @@ class Session:
                 self.agent.claim(nbytes, force=True)
             claimed = nbytes
             storage = self.agent.storage(msg["storage"])
-            out = remote.run(storage, self._io, job, seg.tensor,
-                             self.agent.give_up(msg["storage"], key))
+            kept = self._keep(job, seg, seg_id)
+            early = (self.agent.peering.replicate_staged(msg["storage"], job.share.rank, kept)
+                     if kept is not None else None)
+            try:
+                out = remote.run(storage, self._io, job, seg.tensor,
+                                 self.agent.give_up(msg["storage"], key))
+            except BaseException:
+                if early is not None:
+                    early.abandon()  # before the trainer gets this arena back
+                raise
             out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
                                                     out["nbytes"], out["write_s"])
-            kept = self._keep(job, seg, seg_id)
             out["kept"] = kept is not None
-            out["released"] = (self.agent.memory.keep(msg["storage"], job.share.rank, kept)
-                               if kept is not None else [])
-            if kept is not None and kept.committed:
-                self.agent.replicate(msg["storage"], job.share.rank, kept)
+            if kept is not None:
+                kept.committed = job.share.rank == 0  # this agent committed it
+                out["released"] = self.agent.memory.keep(msg["storage"], job.share.rank, kept)
+                if kept.committed:
+                    self.agent.peering.step_committed(msg["storage"], job.share.rank, kept)
+            else:
+                out["released"] = []
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
                      out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})

@@ -8,8 +8,9 @@ batch system does); 2 nodes continue; a 4th node joins (3), then a 5th (4); one 
 outright (SIGKILL to everything on it, no warning); 3 nodes continue; the run finishes.
 
 Each node also runs a ckptd node agent (``docs/agent.md``; its own node id, one agent directory
-for the simulated machine, a job secret for the peer copies): restarts read from the agents'
-memory, and the lost node's part from the copy its ring successor holds.
+for the simulated machine, a job secret for the peer copies, sent as soon as a save is staged:
+``CKPTD_PEER_COPY=staged``): restarts read from the agents' memory, and the lost node's part from
+the copy its ring successor holds.
 
 Two settings make this work on torch 2.13 (see docs/elastic.md for the evidence):
 
@@ -195,7 +196,7 @@ class Cluster:
         if self.agent_dir is not None:
             env.update(CKPTD_AGENT="1", CKPTD_NODE_ID=self.node_id(name),
                        CKPTD_AGENT_DIR=self.agent_dir, CKPTD_JOB_SECRET=self._secret,
-                       CKPTD_GRACE_S=str(self.grace_s))
+                       CKPTD_GRACE_S=str(self.grace_s), CKPTD_PEER_COPY="staged")
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)

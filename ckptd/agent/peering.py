@@ -1,0 +1,184 @@
+"""A node agent's side of the job's other agents: the copies it sends (when a step is staged
+or committed, ``CKPTD_PEER_COPY``), the copies, hand-offs and commit notices it receives, and the
+hand-off of a save it cannot write inside its grace window. The wire is
+:mod:`ckptd.agent.peer_link`, the sending :mod:`ckptd.agent.peers`; ``docs/agent.md``, *Peer
+copies*."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptd.agent import handoff
+from ckptd.agent.memory import Kept, OverBudget
+from ckptd.agent.orphans import JobKey
+from ckptd.agent.peer_link import PeerServer, job_secret
+from ckptd.agent.peers import Notice, Outgoing, Replicator, copy_when
+from ckptd.agent.shm import Segment
+
+if TYPE_CHECKING:
+    from ckptd.agent.server import Agent
+
+log = logging.getLogger("ckptd.agent")
+
+
+class Peering:
+    """Everything of one agent that talks to other agents; inert without ``CKPTD_JOB_SECRET``
+    (no server, no replicator)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.server: PeerServer | None = None
+        self.replicator: Replicator | None = None
+        self.copy_staged = False  # peer copies sent while being written (CKPTD_PEER_COPY)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
+                 rank: int, step: int) -> str | None:
+        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`), inside the
+        grace left."""
+        if self.replicator is None:
+            return None
+        return self.replicator.hand_off(self.agent.storage(spec), spec, job, staged, rank, step,
+                                        self.agent.grace_left())
+
+    def start(self) -> None:
+        """Listen for peers and start the replicator, if the job has a secret."""
+        secret = job_secret()
+        if secret is None:
+            log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
+            return
+        self.server = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
+                                self._peer_accept, self._peer_lookup, self._take_over,
+                                self.agent.shares.answer, self._peer_notice)
+        self.copy_staged = copy_when() == "staged"
+        rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
+        self.replicator = Replicator(self.agent.node, secret, self.server.address,
+                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
+                                     self.agent.stopping)
+        log.info("ckptd agent: peer copies on, listening at %s:%d", *self.server.address)
+
+    def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
+        """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
+        try:
+            return self.agent.memory.create(max(total, 1), f"{self.agent.node}+{what}")
+        except (OverBudget, OSError) as e:
+            log.warning("ckptd agent: no room for node %s's rank %s step %s (%s): %s",
+                        header.get("origin"), header.get("rank"), header.get("step"), what, e)
+            return None
+
+    def _peer_accept(self, header: dict[str, Any],
+                     total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
+        seg = self._room_for(header, total, "peer")
+        if seg is None:
+            return None
+
+        def finish(ok: bool) -> None:
+            if ok:
+                self._peer_stored(header, seg)
+            else:
+                self.agent.memory.forget(seg)
+
+        return seg.view()[:total], finish
+
+    def _take_over(self, header: dict[str, Any],
+                   total: int) -> tuple[memoryview, Callable[[bool], None]] | None:
+        """A stopping peer's save, to write here: refused when this agent stops too."""
+        if self.agent.stopping.is_set():
+            return None
+        job = JobKey.of(header["spec"], header["job"])  # a malformed header fails before memory
+        seg = self._room_for(header, total, "handoff")
+        if seg is None:
+            return None
+        self.agent.job_started(job)  # a restart on this node waits for it (``drain``)
+
+        def finish(ok: bool) -> None:
+            if not ok:
+                self.agent.memory.forget(seg)
+                self.agent.job_ended(job)
+                return
+            threading.Thread(target=self._write_handed, args=(header, seg, job),
+                             name="ckptd-handoff", daemon=True).start()
+
+        return seg.view()[:total], finish
+
+    def _write_handed(self, header: dict[str, Any], seg: Segment, job: JobKey) -> None:
+        try:
+            handoff.write(self.agent.storage(header["spec"]), header, seg.tensor, self.agent.node,
+                          self.agent.give_up(header["spec"], job))
+        except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
+            log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
+                      header.get("origin"), header.get("rank"), header.get("step"), e)
+        finally:
+            self.agent.memory.forget(seg)
+            self.agent.job_ended(job)
+
+    def _peer_lookup(self, spec: dict[str, Any],
+                     path: str) -> tuple[memoryview, Callable[[], None]] | None:
+        found = self.agent.memory.lookup(spec, path)
+        if found is None:
+            return None
+        kept, mem = found
+        return mem, lambda: self.agent.memory.pin(kept, -1)
+
+    def _peer_stored(self, header: dict[str, Any], seg: Segment) -> None:
+        files, at = {}, 0
+        for path, n in header["files"].items():
+            files[str(path)] = (at, at + int(n))
+            at += int(n)
+        committed = bool(header.get("committed", True))
+        released = self.agent.memory.keep(header["spec"], int(header["rank"]),
+                                    Kept(int(header["step"]), seg, files, None, -1,
+                                         origin=str(header["origin"]), committed=committed))
+        assert not released
+        log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes%s)", header["origin"],
+                 header["rank"], header["step"], at, "" if committed else ", not committed yet")
+
+    def _peer_notice(self, header: dict[str, Any]) -> dict[str, Any]:
+        held = self.agent.memory.peer_committed(header["spec"], str(header["origin"]),
+                                          int(header["rank"]), int(header["step"]))
+        return {"ok": held}
+
+    def replicate_staged(self, spec: dict[str, Any], rank: int, kept: Kept) -> Outgoing | None:
+        """With ``CKPTD_PEER_COPY=staged``: send a step to the peers as soon as it is staged,
+        while it is being written (the copy, None if not sent this way). The arena stays
+        pinned until the copy is sent; if the save fails, :meth:`Outgoing.abandon` before the
+        trainer gets its arena back."""
+        if not self.copy_staged or self.replicator is None:
+            return None
+        kept.sent_early = True
+        return self._send_copy(spec, rank, kept, committed=False)
+
+    def step_committed(self, spec: dict[str, Any], rank: int, kept: Kept) -> None:
+        """``rank``'s kept step committed: send it to the peers now, or, if it was sent while
+        being written, tell them it committed."""
+        if kept.sent_early:
+            if self.replicator is not None and kept.copy is not None:
+                self.replicator.submit(Notice(kept.copy))
+            return
+        self._send_copy(spec, rank, kept, committed=True)
+
+    def _send_copy(self, spec: dict[str, Any], rank: int, kept: Kept,
+                   committed: bool) -> Outgoing | None:
+        rep = self.replicator
+        if rep is None:
+            return None
+        storage = self.agent.storage(spec)
+        rep.register(storage)
+        mem = kept.segment.view()
+        self.agent.memory.pin(kept, +1)
+        out = Outgoing(spec, storage, rank, kept.step,
+                       {p: mem[a:b] for p, (a, b) in kept.files.items()},
+                       lambda: self.agent.memory.pin(kept, -1), committed=committed)
+        kept.copy = out
+        rep.submit(out)
+        return out
+
+
+__all__ = ["Peering"]
