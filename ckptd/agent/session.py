@@ -214,8 +214,8 @@ class Session:
             self._settle_retention()  # the previous step's, now that this one is staged
             if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
                 staged = seg.view()[:nbytes]
-                to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged, job.share.rank,
-                                         job.share.step)
+                to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged,
+                                                 job.share.rank, job.share.step)
                 if to is not None:
                     self.reply({"id": rid, "op": "done", "nbytes": nbytes, "write_s": 0.0,
                                 "handed_to": to, "kept": False, "released": []})
