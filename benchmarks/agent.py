@@ -38,7 +38,6 @@ memory it prepared beforehand — what any background write costs training on th
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -56,13 +55,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _slowest(seconds: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> float:
-    """Over every rank: the largest (or, with ``op=SUM``, the total) of ``seconds``."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
 def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loop: bool = True
             ) -> dict[str, float]:
     torch.set_num_threads(1)
@@ -78,12 +70,12 @@ def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loo
             n = t.numel() * t.element_size()
             buf[off: off + n].copy_(t.reshape(-1).view(torch.uint8))
             off += n
-        copies.append(_slowest(time.perf_counter() - t0))
+        copies.append(common.slowest(time.perf_counter() - t0))
         path = os.path.join(root, f"floor-{rank}-{i}.bin")
         dist.barrier()
         t0 = time.perf_counter()
         common.write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
-        writes.append(_slowest(time.perf_counter() - t0))
+        writes.append(common.slowest(time.perf_counter() - t0))
         os.remove(path)
     write = statistics.median(writes[1:])
     return {"memcpy": statistics.median(copies[1:]), "write": write,
@@ -126,7 +118,7 @@ def _floor_slowdown(rank: int, root: str, size: int, saves: int, write_s: float)
             writer.stdin.write("go\n")
             writer.stdin.flush()
         busy = compute.rate_for(0.8 * write_s)  # inside the write (it takes ~the floor)
-        ratios.append(_slowest(idle / busy))
+        ratios.append(common.slowest(idle / busy))
         if writer is not None:
             writer.communicate()
             os.remove(os.path.join(root, f"floor-w{i}.bin"))
@@ -165,10 +157,10 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
             dist.barrier()
             if agent_pid and rank == 0:
                 mine += _cpu_of(agent_pid) - a0  # the agent's, for every rank of the node
-            stalls.append(_slowest(stall))
-            copies.append(_slowest(copy))
-            durable.append(_slowest(done))
-            write_cpu.append(_slowest(mine, dist.ReduceOp.SUM))
+            stalls.append(common.slowest(stall))
+            copies.append(common.slowest(copy))
+            durable.append(common.slowest(done))
+            write_cpu.append(common.slowest(mine, dist.ReduceOp.SUM))
         # the training loop beside the background write: iterations/s while the save is in
         # flight against the same loop with nothing in flight, measured just before
         compute = common.Compute()
@@ -181,7 +173,7 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
             h = ckpt.save_async(state.ckptd_tree(), step=step)
             busy, _, _ = compute.rate_until(h.done)
             h.result()
-            slowdowns.append(_slowest(idle / busy))
+            slowdowns.append(common.slowest(idle / busy))
     return {"stall": statistics.median(stalls[1:]), "copy": statistics.median(copies[1:]),
             "durable": statistics.median(durable[1:]),
             "slowdown": statistics.median(slowdowns) if slowdowns else float("nan"),
@@ -233,7 +225,7 @@ def _loads(rank: int, world: int, root: str, size: int, agent: bool) -> dict[str
         dist.barrier()
         t0 = time.perf_counter()
         r = ckpt.load(state.ckptd_tree(), strict=False)
-        took = _slowest(time.perf_counter() - t0)
+        took = common.slowest(time.perf_counter() - t0)
     return {"load": took, "read": r.nbytes_read, "memory": r.nbytes_from_memory}
 
 
@@ -251,7 +243,7 @@ def _first_step(root: str, size: int, agent: bool, t0: float) -> None:
         r = ckpt.load(state.ckptd_tree(), strict=False)
     common.Compute().step()
     dist.barrier()
-    took = _slowest(time.time() - t0)
+    took = common.slowest(time.time() - t0)
     counts = torch.tensor([r.nbytes_from_memory + r.nbytes_from_peer, r.nbytes_read],
                           dtype=torch.float64)
     dist.all_reduce(counts)  # over the ranks: bytes from memory, bytes read
@@ -281,13 +273,6 @@ def _source(agent: bool) -> str:
     if agent:
         return "memory (agent)"
     return "storage, cold cache" if common.drop_caches() else "storage"
-
-
-def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
-    x = 0
-    while not stop.is_set():
-        for _ in range(100_000):
-            x += 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,12 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(CKPTD_AGENT_DIR=agent_dir, CKPTD_NODE_ID="bench")
         try:
             for busy in (int(x) for x in args.contend.split(",")):
-                ctx = mp.get_context("fork")
-                stop = ctx.Event()
-                spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(busy)]
-                for p in spinners:
-                    p.start()
-                try:
+                with common.busy_processes(busy):
                     fl = multirank.run(_floors, args.world, root, size, args.saves,
                                        not args.stall_only, timeout=1800)[0]
                     saved = os.path.join(root, f"c{busy}")  # the agent's saves, loaded below
@@ -344,10 +324,6 @@ def main(argv: list[str] | None = None) -> None:
                         for agent in (True, False):
                             restarts.append((_source(agent),
                                              _restart(saved, size, args.world - 1, agent)))
-                finally:
-                    stop.set()
-                    for p in spinners:
-                        p.join()
         finally:
             from ckptd.agent.client import AgentClient
 

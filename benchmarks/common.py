@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import multiprocessing as mp
 import os
 import platform
 import re
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- sizes & stats
 
@@ -429,6 +431,38 @@ def _values(group: str, fqn: str, rank: int, shape: tuple[int, ...],
 
 
 # ----------------------------------------------------------------------------- compute loop
+
+
+
+def slowest(seconds: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> float:
+    """Over every rank of the process group: the largest (or, with ``op=SUM``, the total) of
+    ``seconds``."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _spin(stop: Any) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the cores meanwhile (users' nodes are never idle)."""
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(n)]
+    for p in spinners:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in spinners:
+            p.join()
 
 
 @contextlib.contextmanager

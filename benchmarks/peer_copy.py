@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,12 +41,6 @@ import torch.distributed as dist  # noqa: E402
 
 _COPIED = re.compile(r"^(\S+ \S+) ckptd\.agent INFO ckptd agent: rank (\d+) step (\d+) "
                      r"copied to node")
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _ranks(rank: int, world: int, root: str, size: int, saves: int, gap_s: float,
@@ -69,7 +61,7 @@ def _ranks(rank: int, world: int, root: str, size: int, saves: int, gap_s: float
         t0 = time.perf_counter()
         common.write_fsync(os.path.join(root, f"floor-{rank}-{i}.bin"),
                            memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
-        writes.append(_slowest(time.perf_counter() - t0))
+        writes.append(common.slowest(time.perf_counter() - t0))
         os.remove(os.path.join(root, f"floor-{rank}-{i}.bin"))
     del buf
     stalls, durable, started = [], [], {}
@@ -85,8 +77,8 @@ def _ranks(rank: int, world: int, root: str, size: int, saves: int, gap_s: float
             h.result()
             done = time.perf_counter() - t0
             time.sleep(gap_s)
-            stalls.append(_slowest(stall))
-            durable.append(_slowest(done))
+            stalls.append(common.slowest(stall))
+            durable.append(common.slowest(done))
     return ({"stall": statistics.median(stalls[1:]), "durable": statistics.median(durable[1:]),
              "write": statistics.median(writes[1:])}, started)
 
@@ -105,23 +97,17 @@ def _copies_landed(log_path: str) -> dict[tuple[int, int], float]:
 
 def _stop_agents(agent_dir: str, world: int) -> None:
     """Stop every node's agent and wait until it exited (its memory is several GiB)."""
+    from agent_procs import alive, wait_until
+
+    from ckptd.agent import wire
+    from ckptd.agent.client import AgentClient
+
     for rank in range(world):
-        subprocess.run([sys.executable, "-m", "ckptd.cli", "agent", "--stop", "--node",
-                        f"n{rank}", "--dir", agent_dir], check=True, capture_output=True,
-                       timeout=120)
-    deadline = time.monotonic() + 120
-    while subprocess.run(["pgrep", "-f", f"ckptd.agent --node n.* --dir {agent_dir}"],
-                         capture_output=True).returncode == 0:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the agents under {agent_dir} did not exit")
-        time.sleep(0.2)
-
-
-def _spin(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
-    x = 0
-    while not stop.is_set():
-        for _ in range(100_000):
-            x += 1
+        with open(wire.paths(f"n{rank}", agent_dir)["lock"]) as f:
+            pid = int(f.read())
+        AgentClient.connect({"url": "", "options": None}, threads=1, start=False,
+                            node=f"n{rank}", directory=agent_dir).stop_agent()
+        wait_until(lambda pid=pid: not alive(pid), 120, f"agent {pid} to exit")
 
 
 def run_mode(mode: str, world: int, size: int, saves: int, gap_s: float, base: str,
@@ -134,14 +120,9 @@ def run_mode(mode: str, world: int, size: int, saves: int, gap_s: float, base: s
            "CKPTD_PEER_COPY": mode}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # for the ``ckptd agent --stop`` calls
-    ctx = mp.get_context("fork")
-    stop = ctx.Event()
-    spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(contend)]
-    for p in spinners:
-        p.start()
     try:
-        out = multirank.run(_ranks, world, root, size, saves, gap_s, env, timeout=1800)
-        stop.set()
+        with common.busy_processes(contend):
+            out = multirank.run(_ranks, world, root, size, saves, gap_s, env, timeout=1800)
         logs = [wire.paths(f"n{rank}", agent_dir)["log"] for rank in range(world)]
         deadline = time.monotonic() + 60  # the last copy may land after the ranks closed
         while True:
@@ -151,9 +132,6 @@ def run_mode(mode: str, world: int, size: int, saves: int, gap_s: float, base: s
                 break
             time.sleep(0.5)
     finally:
-        stop.set()
-        for p in spinners:
-            p.join()
         _stop_agents(agent_dir, world)
         for k, v in old.items():
             if v is None:

@@ -24,10 +24,13 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.agent.shm import Segment, unlink
 from ckptd.errors import CkptdError
+
+if TYPE_CHECKING:
+    from ckptd.agent.peers import Outgoing
 
 
 class OverBudget(CkptdError, MemoryError):
@@ -45,8 +48,8 @@ class Kept:
     dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
     origin: str | None = None  # a peer copy: the node it is a copy of; None: this node's own
     committed: bool = False  # the agent saw its step commit (a peer copy: its sender did)
-    sent_early: bool = False  # sent to the peers while being written (``CKPTD_PEER_COPY``)
-    copy: Any | None = None  # its peer copy (an ``Outgoing``), once sent
+    copy: Outgoing | None = None  # its copy to the peers, once sent (before its commit if
+    # ``copy.committed`` is False: ``CKPTD_PEER_COPY=staged``)
 
 
 def root_key(spec: dict[str, Any]) -> str:

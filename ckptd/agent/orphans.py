@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -34,10 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.agent import wire
-from ckptd.agent.peer_link import answer_challenge
+from ckptd.agent.peer_link import ask
 from ckptd.agent.peers import Replicator
 from ckptd.storage import Storage
+from ckptd.writer import remote
 
 log = logging.getLogger("ckptd.agent")
 
@@ -62,9 +61,8 @@ class JobKey:
     def of(cls, spec: dict[str, Any], job: dict[str, Any]) -> JobKey:
         """From a job message (KeyError, ValueError, TypeError if malformed)."""
         share = job["share"]
-        c = job["commit"]
-        return cls(root_key(spec), str(c.get("incarnation") or c["run_id"]),
-                   str(share["attempt"]), int(share["rank"]))
+        return cls(root_key(spec), remote.incarnation_of(job["commit"]), str(share["attempt"]),
+                   int(share["rank"]))
 
 
 class Shares:
@@ -133,23 +131,6 @@ class Shares:
                     "connected": [r for r in ranks if self._connected[(run, r)] > 0]}
 
 
-def _ask(secret: bytes, peer: dict[str, Any], question: dict[str, Any]) -> dict[str, Any] | None:
-    """``peer``'s answer; None if it cannot be reached (its node is lost); raises when it was
-    reached and did not answer."""
-    try:
-        sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=ASK_TIMEOUT_S)
-    except OSError:
-        return None
-    with sock:
-        sock.settimeout(ASK_TIMEOUT_S)
-        answer_challenge(sock, secret, f"node {peer['node']} refused this agent")
-        wire.send(sock, question)
-        reply = wire.recv(sock, 1 << 20)
-    if not reply.get("ok"):
-        raise ConnectionError(f"node {peer['node']}: {reply.get('error', 'no answer')}")
-    return reply
-
-
 def nobody_claims(replicator: Replicator, storage: Storage, local: Shares,
                   question: dict[str, Any]) -> str | None:
     """Why none of the missing ranks' shares can come (the reason for the error), or None if
@@ -163,7 +144,8 @@ def nobody_claims(replicator: Replicator, storage: Storage, local: Shares,
         peers = replicator.peers(storage)
         with ThreadPoolExecutor(max(1, min(32, len(peers))),
                                 thread_name_prefix="ckptd-ask") as pool:
-            futures = [pool.submit(_ask, replicator.secret, p, question) for p in peers]
+            futures = [pool.submit(ask, replicator.secret, p, question, ASK_TIMEOUT_S)
+                       for p in peers]
             for peer, future in zip(peers, futures, strict=True):
                 try:
                     reply = future.result()

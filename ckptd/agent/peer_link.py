@@ -49,6 +49,25 @@ def answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
         raise ConnectionError(refused)
 
 
+def ask(secret: bytes, peer: dict[str, Any], message: dict[str, Any],
+        timeout_s: float) -> dict[str, Any] | None:
+    """One message to ``peer`` (a registered agent: node, host, port) and its answer; None if
+    it cannot be reached (its node is lost); raises when it was reached and did not answer, or
+    answered not ok. ``timeout_s`` bounds the connection and each socket operation."""
+    try:
+        sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=timeout_s)
+    except OSError:
+        return None
+    with sock:
+        sock.settimeout(timeout_s)
+        answer_challenge(sock, secret, f"node {peer['node']} refused this agent")
+        wire.send(sock, message)
+        reply = wire.recv(sock, 1 << 20)
+    if not reply.get("ok"):
+        raise ConnectionError(f"node {peer['node']}: {reply.get('error', 'no answer')}")
+    return reply
+
+
 Finish = Callable[[bool], None]
 
 
@@ -215,5 +234,5 @@ class PeerReads:
             s.close()
 
 
-__all__ = ["Accept", "Answer", "Lookup", "PeerReads", "PeerServer", "answer_challenge",
+__all__ = ["Accept", "Answer", "Lookup", "PeerReads", "PeerServer", "answer_challenge", "ask",
            "job_secret", "recv_into"]

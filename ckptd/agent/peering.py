@@ -35,19 +35,6 @@ class Peering:
         self.replicator: Replicator | None = None
         self.copy_staged = False  # peer copies sent while being written (CKPTD_PEER_COPY)
 
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
-                 rank: int, step: int) -> str | None:
-        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`), inside the
-        grace left."""
-        if self.replicator is None:
-            return None
-        return self.replicator.hand_off(self.agent.storage(spec), spec, job, staged, rank, step,
-                                        self.agent.grace_left())
-
     def start(self) -> None:
         """Listen for peers and start the replicator, if the job has a secret."""
         secret = job_secret()
@@ -63,6 +50,19 @@ class Peering:
                                      int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
                                      self.agent.stopping)
         log.info("ckptd agent: peer copies on, listening at %s:%d", *self.server.address)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
+                 rank: int, step: int) -> str | None:
+        """Give a save to a peer that is not stopping (:meth:`Replicator.hand_off`), inside the
+        grace left."""
+        if self.replicator is None:
+            return None
+        return self.replicator.hand_off(self.agent.storage(spec), spec, job, staged, rank, step,
+                                        self.agent.grace_left())
 
     def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
         """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
@@ -134,35 +134,36 @@ class Peering:
             at += int(n)
         committed = bool(header.get("committed", True))
         released = self.agent.memory.keep(header["spec"], int(header["rank"]),
-                                    Kept(int(header["step"]), seg, files, None, -1,
-                                         origin=str(header["origin"]), committed=committed))
+                                          Kept(int(header["step"]), seg, files, None, -1,
+                                               origin=str(header["origin"]),
+                                               committed=committed))
         assert not released
         log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes%s)", header["origin"],
                  header["rank"], header["step"], at, "" if committed else ", not committed yet")
 
     def _peer_notice(self, header: dict[str, Any]) -> dict[str, Any]:
-        held = self.agent.memory.peer_committed(header["spec"], str(header["origin"]),
-                                          int(header["rank"]), int(header["step"]))
-        return {"ok": held}
+        if self.agent.memory.peer_committed(header["spec"], str(header["origin"]),
+                                            int(header["rank"]), int(header["step"])):
+            return {"ok": True}
+        return {"ok": False, "error": f"holds no copy of rank {header['rank']} step "
+                                      f"{header['step']} (any more)"}
 
     def replicate_staged(self, spec: dict[str, Any], rank: int, kept: Kept) -> Outgoing | None:
         """With ``CKPTD_PEER_COPY=staged``: send a step to the peers as soon as it is staged,
         while it is being written (the copy, None if not sent this way). The arena stays
         pinned until the copy is sent; if the save fails, :meth:`Outgoing.abandon` before the
         trainer gets its arena back."""
-        if not self.copy_staged or self.replicator is None:
+        if not self.copy_staged:
             return None
-        kept.sent_early = True
         return self._send_copy(spec, rank, kept, committed=False)
 
     def step_committed(self, spec: dict[str, Any], rank: int, kept: Kept) -> None:
         """``rank``'s kept step committed: send it to the peers now, or, if it was sent while
         being written, tell them it committed."""
-        if kept.sent_early:
-            if self.replicator is not None and kept.copy is not None:
-                self.replicator.submit(Notice(kept.copy))
-            return
-        self._send_copy(spec, rank, kept, committed=True)
+        if kept.copy is None:
+            self._send_copy(spec, rank, kept, committed=True)
+        elif not kept.copy.committed and self.replicator is not None:
+            self.replicator.submit(Notice(kept.copy))
 
     def _send_copy(self, spec: dict[str, Any], rank: int, kept: Kept,
                    committed: bool) -> Outgoing | None:

@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.agent import wire
-from ckptd.agent.peer_link import answer_challenge
+from ckptd.agent.peer_link import answer_challenge, ask
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
 
 REGISTRY = "_agents"
 RETRY_S = 60.0  # how long a copy waits for peers to announce themselves
+NOTICE_TIMEOUT_S = 10.0  # a commit notice, per peer: connecting and each socket operation
 
 
 def copy_when() -> str:
@@ -67,6 +68,9 @@ class Outgoing:
     cancel: threading.Event = field(default_factory=threading.Event)  # its step failed
     finished: threading.Event = field(default_factory=threading.Event)  # sent or given up
 
+    def __str__(self) -> str:
+        return f"peer copy of rank {self.rank} step {self.step}"
+
     def abandon(self, timeout_s: float = 60.0) -> None:
         """Stop sending (the save failed: the trainer gets its arena back) and wait until the
         replicator no longer reads it."""
@@ -82,6 +86,9 @@ class Notice:
     tell the peers that took it, after the copy itself (one queue, in order)."""
 
     copy: Outgoing
+
+    def __str__(self) -> str:
+        return f"commit notice of rank {self.copy.rank} step {self.copy.step}"
 
 
 class Replicator:
@@ -145,29 +152,20 @@ class Replicator:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if isinstance(item, Notice):
-                try:
-                    self._notify(item.copy)
-                except Exception as e:  # noqa: BLE001 - the peer keeps the step before too
-                    log.warning("ckptd agent: commit notice of rank %d step %d failed: %s",
-                                item.copy.rank, item.copy.step, e)
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-                continue
             try:
-                if item.cancel.is_set():
-                    continue
-                copies = self._replicate(item)
-                if copies < self.k:
-                    log.warning("ckptd agent: rank %d step %d has %d of %d peer copies",
-                                item.rank, item.step, copies, self.k)
+                if isinstance(item, Notice):
+                    self._notify(item.copy)
+                elif not item.cancel.is_set():
+                    copies = self._replicate(item)
+                    if copies < self.k:
+                        log.warning("ckptd agent: rank %d step %d has %d of %d peer copies",
+                                    item.rank, item.step, copies, self.k)
             except Exception as e:  # noqa: BLE001 - a copy is a bonus: storage has the step
-                log.warning("ckptd agent: peer copy of rank %d step %d failed: %s", item.rank,
-                            item.step, e)
+                log.warning("ckptd agent: %s failed: %s", item, e)
             finally:
-                item.done()
-                item.finished.set()
+                if isinstance(item, Outgoing):
+                    item.done()
+                    item.finished.set()
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -214,18 +212,12 @@ class Replicator:
     def _notify(self, copy: Outgoing) -> None:
         """Tell each peer that holds ``copy`` that its step committed: it then keeps it as the
         newest committed step of that rank (and drops the one before)."""
+        notice = {"op": "committed", "spec": copy.spec, "origin": self.node, "rank": copy.rank,
+                  "step": copy.step}
         for peer in copy.holders:
-            notice = {"op": "committed", "spec": copy.spec, "origin": self.node,
-                      "rank": copy.rank, "step": copy.step}
             try:
-                with socket.create_connection((peer["host"], int(peer["port"])),
-                                              timeout=10) as s:
-                    s.settimeout(10)
-                    answer_challenge(s, self.secret, f"node {peer['node']} refused this agent")
-                    wire.send(s, notice)
-                    if not wire.recv(s, 4096).get("ok"):
-                        log.warning("ckptd agent: node %s no longer holds rank %d step %d",
-                                    peer["node"], copy.rank, copy.step)
+                if ask(self.secret, peer, notice, NOTICE_TIMEOUT_S) is None:
+                    raise ConnectionError("unreachable")
             except (OSError, ValueError) as e:
                 log.warning("ckptd agent: node %s was not told that rank %d step %d committed "
                             "(it keeps the step before too): %s", peer.get("node"), copy.rank,

@@ -94,6 +94,11 @@ class Commit:
     incarnation: str  # how the agent tells restarts apart (SaveOptions.incarnation)
 
 
+def incarnation_of(commit_doc: dict[str, Any]) -> str:
+    """A job's ``commit`` entry: its incarnation (a trainer that sends none: the run id)."""
+    return str(commit_doc.get("incarnation") or commit_doc["run_id"])
+
+
 def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int,
            commit_: Commit) -> dict[str, Any]:
     return {
@@ -154,7 +159,7 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
     c = doc["commit"]
     return Job(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
                Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
-                      int(c["keep_last"]), str(c.get("incarnation") or c["run_id"])))
+                      int(c["keep_last"]), incarnation_of(c)))
 
 
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
