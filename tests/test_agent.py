@@ -466,6 +466,13 @@ def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatc
     # new rank 0 lies inside old rank 0's half (node a's own), new rank 2 inside old rank 1's
     # (node b's, which node a holds a peer copy of); the 64-byte "b" may be either's
     assert got[0][3] <= 64 and got[2][2] <= 64 and got[2][3] > 0
+    # the restarted job (one rank, a new run) commits step 2: node a's agent lets go of step 1,
+    # its own rank 0's and node b's copy of rank 1's (no restart loads it any more)
+    monkeypatch.setenv("CKPTD_NODE_ID", a)
+    with ckptd.Checkpointer(root, rank=0, world_size=1, run_id="third", agent=True) as c:
+        c.save({"model": {"w": torch.zeros(2 * N), "b": torch.zeros(16)}}, step=2)
+    assert _holds_step(root, a, 0, 2)
+    assert not _holds_step(root, a, 0, 1) and not _holds_step(root, a, 1, 1)
 
 
 def _stage_step_2(root: str, rank: int, node: str, conn) -> None:

@@ -7,10 +7,18 @@ steps whose commit it has not seen yet (rank 0's agent commits itself; the other
 their trainer, which waits for the commit anyway): a node lost while a save is in flight leaves
 that step uncommitted, and the restart loads the committed one — from memory. Peer copies
 alike: one sent before its step committed (``CKPTD_PEER_COPY=staged``) counts as uncommitted
-until its sender's notice. An older step is dropped once a newer one is known committed: given
+until its sender's notice (one more of them than of its own steps: see :meth:`Memory._trim`). An older step is dropped once a newer one is known committed: given
 back to its trainer (the arena is staged into again) or, if the trainer is gone, removed. A step
 that is still being sent to a peer, or read by a load, is given back only once the copy is sent
 and the load done.
+
+Across the ranks of a root, once the run that owns it (``owner.json``) has committed
+``keep_in_memory`` steps the agent holds, every step older than those is dropped too, whoever it
+belongs to: own or a copy, committed or not, of a rank of this world or of an earlier run (a lost
+node's copies, a larger world's ranks). No restart loads it: "latest" is the newest committed
+step in commit order, and the owner's steps come after every earlier owner's whatever their
+numbers. Until the owner has committed that many, nothing is dropped this way (a restart may still
+need an earlier run's step).
 
 The budget counts every segment the agent created and has not removed. An arena over it is
 refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
@@ -48,6 +56,7 @@ class Kept:
     dropped: bool = False  # past keep_in_memory, waiting for a copy to finish
     origin: str | None = None  # a peer copy: the node it is a copy of; None: this node's own
     committed: bool = False  # the agent saw its step commit (a peer copy: its sender did)
+    run: str = ""  # the run that saved it (its steps are in order by number; runs by owner)
     copy: Outgoing | None = None  # its copy to the peers, once sent (before its commit if
     # ``copy.committed`` is False: ``CKPTD_PEER_COPY=staged``)
 
@@ -58,11 +67,16 @@ def root_key(spec: dict[str, Any]) -> str:
 
 class Memory:
     def __init__(self, keep: int, budget: int | None,
-                 give_back: Callable[[Any, int], None]) -> None:
-        """``give_back(owner, seg_id)``: tell a live session that its arena is free again."""
-        self.keep_n, self.budget, self._give_back = keep, budget, give_back
+                 give_back: Callable[[Any, int], None],
+                 owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None) -> None:
+        """``give_back(owner, seg_id)``: tell a live session that its arena is free again;
+        ``owner_of(spec)``: the run that owns the root now (None: unknown), read when a step of
+        another run than the one last learnt commits."""
+        self.keep_n, self.budget, self._give_back, self._owner_of = (keep, budget, give_back,
+                                                                     owner_of)
         self.used = 0
         self._kept: dict[tuple[str, int], list[Kept]] = {}  # (root, rank) -> newest last
+        self._owner: dict[str, str] = {}  # root -> the run that owns it, as last learnt
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ segments
@@ -98,51 +112,102 @@ class Memory:
     def keep(self, spec: dict[str, Any], rank: int, kept: Kept) -> list[int]:
         """Keep ``kept`` as the newest step of ``rank``; the arenas of ``kept.owner`` that are
         free again at once."""
+        root = root_key(spec)
+        self._learn_owner(spec, root, kept.run)
         with self._lock:
-            steps = self._kept.setdefault((root_key(spec), rank), [])
+            steps = self._kept.setdefault((root, rank), [])
             steps.append(kept)
-            dropped = self._trim(steps)
+            dropped = self._floor(root) + self._trim(steps)
         return [k.seg_id for k in dropped if self._release(k, kept.owner)]
+
+    def owned_by(self, spec: dict[str, Any], run: str) -> None:
+        """``run`` owns the root (it just committed there)."""
+        with self._lock:
+            self._owner[root_key(spec)] = run
+
+    def _learn_owner(self, spec: dict[str, Any], root: str, run: str) -> None:
+        """A step of ``run`` is here: if that is not the owner last learnt, ask who owns the
+        root now (a new run took it; or ``run`` is an earlier one: a copy that came late, a
+        trainer of a run that lost the root). Unknown: nothing is dropped across runs."""
+        with self._lock:
+            if not run or self._owner.get(root) == run:
+                return
+        owner = self._owner_of(spec)  # outside the lock: it may read storage
+        with self._lock:
+            if owner is None:
+                self._owner.pop(root, None)
+            else:
+                self._owner[root] = owner
 
     def committed(self, spec: dict[str, Any], rank: int, step: int,
                   caller: Any) -> tuple[Kept | None, list[int]]:
         """``rank``'s ``step`` committed: the kept step (None if not held) and the arenas of
         ``caller`` that are free again (older steps dropped)."""
+        root = root_key(spec)
         with self._lock:
-            steps = self._kept.get((root_key(spec), rank), [])
-            found = next((k for k in steps if k.step == step and k.origin is None), None)
+            steps = self._kept.get((root, rank), [])
+            found = next((k for k in reversed(steps) if k.step == step and k.origin is None),
+                         None)  # the newest: an older owner's step of that number comes first
             if found is None or found.committed:
                 return None, []
             found.committed = True
-            dropped = self._trim(steps)
+        self._learn_owner(spec, root, found.run)
+        with self._lock:
+            dropped = self._floor(root) + self._trim(steps)
+        if found.dropped:  # older than what the root committed since
+            found = None
         return found, [k.seg_id for k in dropped if self._release(k, caller)]
 
     def peer_committed(self, spec: dict[str, Any], origin: str, rank: int, step: int) -> bool:
         """Node ``origin``'s copy of ``rank``'s ``step``, received before its commit, has
         committed: keep it as that rank's newest committed step (the copy before it is
         removed). False if it is not held (any more)."""
+        root = root_key(spec)
         with self._lock:
-            steps = self._kept.get((root_key(spec), rank), [])
-            found = next((k for k in steps if k.step == step and k.origin == origin), None)
+            steps = self._kept.get((root, rank), [])
+            found = next((k for k in reversed(steps) if k.step == step and k.origin == origin),
+                         None)
             if found is None:
                 return False
             found.committed = True
-            dropped = self._trim(steps)
+        self._learn_owner(spec, root, found.run)
+        with self._lock:
+            dropped = self._floor(root) + self._trim(steps)
         for k in dropped:
             self._release(k)
         return True
 
     def _trim(self, steps: list[Kept]) -> list[Kept]:
-        """Drop from ``steps`` (oldest first) all but the newest ``keep_n`` committed steps and
-        the newest ``keep_n`` unconfirmed steps after them; returns the dropped ones."""
+        """Drop from one rank's ``steps`` (oldest first) all but the newest ``keep_n`` committed
+        steps and the newest unconfirmed steps after them: ``keep_n`` of its own (its trainer's
+        arenas), one more of a peer's copies (a sender with ``max_inflight=2`` sends the next
+        step's before it can tell that this one committed). Returns the dropped ones."""
         done = [k for k in steps if k.committed][-self.keep_n:]
         newest = max((steps.index(k) for k in done), default=-1)
-        pending = [k for k in steps[newest + 1:] if not k.committed][-self.keep_n:]
-        dropped = [k for k in steps if k not in done and k not in pending]
-        steps[:] = [k for k in steps if k in done or k in pending]
-        for k in dropped:
+        later = [k for k in steps[newest + 1:] if not k.committed]
+        pending = [k for k in later if k.origin is not None][-self.keep_n - 1:]
+        pending += [k for k in later if k.origin is None][-self.keep_n:]
+        return self._drop(steps, [k for k in steps if k not in done and k not in pending])
+
+    def _floor(self, root: str) -> list[Kept]:
+        """Once the root's owner has committed ``keep_n`` steps held here: drop every step of
+        any rank that is older (an earlier run's, or the owner's before them); returns the
+        dropped ones."""
+        owner = self._owner.get(root)
+        lists = [ks for (r, _), ks in self._kept.items() if r == root]
+        done = sorted({k.step for ks in lists for k in ks if k.committed and k.run == owner})
+        if owner is None or len(done) < self.keep_n:
+            return []
+        floor = done[-self.keep_n]
+        return [k for ks in lists
+                for k in self._drop(ks, [k for k in ks if k.run != owner or k.step < floor])]
+
+    @staticmethod
+    def _drop(steps: list[Kept], old: list[Kept]) -> list[Kept]:
+        steps[:] = [k for k in steps if k not in old]
+        for k in old:
             k.dropped = True
-        return dropped
+        return old
 
     def _release(self, k: Kept, caller: Any | None = None) -> bool:
         """A dropped step's arena: True if it goes back to ``caller`` (the reply says so)."""

@@ -133,13 +133,14 @@ class Peering:
             files[str(path)] = (at, at + int(n))
             at += int(n)
         committed = bool(header.get("committed", True))
-        released = self.agent.memory.keep(header["spec"], int(header["rank"]),
-                                          Kept(int(header["step"]), seg, files, None, -1,
-                                               origin=str(header["origin"]),
-                                               committed=committed))
+        kept = Kept(int(header["step"]), seg, files, None, -1, origin=str(header["origin"]),
+                    committed=committed, run=str(header.get("run", "")))
+        released = self.agent.memory.keep(header["spec"], int(header["rank"]), kept)
         assert not released
-        log.info("ckptd agent: holds node %s's rank %s step %s (%d bytes%s)", header["origin"],
-                 header["rank"], header["step"], at, "" if committed else ", not committed yet")
+        log.info("ckptd agent: %s node %s's rank %s step %s (%d bytes%s)",
+                 "dropped (older than a step committed since)" if kept.dropped else "holds",
+                 header["origin"], header["rank"], header["step"], at,
+                 "" if committed else ", not committed yet")
 
     def _peer_notice(self, header: dict[str, Any]) -> dict[str, Any]:
         if self.agent.memory.peer_committed(header["spec"], str(header["origin"]),
@@ -176,7 +177,8 @@ class Peering:
         self.agent.memory.pin(kept, +1)
         out = Outgoing(spec, storage, rank, kept.step,
                        {p: mem[a:b] for p, (a, b) in kept.files.items()},
-                       lambda: self.agent.memory.pin(kept, -1), committed=committed)
+                       lambda: self.agent.memory.pin(kept, -1), committed=committed,
+                       run=kept.run)
         kept.copy = out
         rep.submit(out)
         return out

@@ -64,6 +64,7 @@ class Outgoing:
     files: dict[str, memoryview]  # path -> bytes (views of the kept arena)
     done: Callable[[], None]  # sent or given up: the arena may be used again
     committed: bool = True  # False: sent while being written; a Notice follows the commit
+    run: str = ""  # the run that saved it (the receiver orders steps by run and number)
     holders: list[dict[str, Any]] = field(default_factory=list)  # the peers that took it
     cancel: threading.Event = field(default_factory=threading.Event)  # its step failed
     finished: threading.Event = field(default_factory=threading.Event)  # sent or given up
@@ -197,6 +198,7 @@ class Replicator:
     def _send(self, peer: dict[str, Any], item: Outgoing) -> bool:
         """One copy to ``peer``: True if it holds it now, False if it had no room."""
         header = {"spec": item.spec, "origin": self.node, "rank": item.rank, "step": item.step,
+                  "run": item.run,
                   "files": {p: len(m) for p, m in item.files.items()},
                   "committed": item.committed}
         if not self._transfer(peer, header, list(item.files.values()), self.rate,

@@ -35,6 +35,8 @@ from ckptd.agent.orphans import JobKey
 from ckptd.agent.peering import Peering
 from ckptd.agent.session import Session
 from ckptd.agent.shm import stale_segments, unlink
+from ckptd.errors import CkptdError
+from ckptd.manifest import catalog
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import exiting
 
@@ -51,7 +53,7 @@ class Agent:
                  keep_in_memory: int = 1, budget: int | None = None) -> None:
         self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
         self.keep_in_memory = keep_in_memory
-        self.memory = Memory(keep_in_memory, budget, self._give_back)
+        self.memory = Memory(keep_in_memory, budget, self._give_back, self._owner_of)
         self.peering = Peering(self)  # the job's other agents (with CKPTD_JOB_SECRET)
         self.paths = wire.paths(node, directory)
         self.stopping = threading.Event()
@@ -172,6 +174,16 @@ class Agent:
 
     def _give_back(self, owner: Any, seg_id: int) -> None:
         owner.reply({"op": "released", "segments": [seg_id]})
+
+    def _owner_of(self, spec: dict[str, Any]) -> str | None:
+        """The run that owns the root now (``owner.json``); None if unknown."""
+        try:
+            owner = catalog.read_owner(self.storage(spec))
+        except (CkptdError, OSError) as e:
+            log.warning("ckptd agent: who owns %s is unknown (%s): older steps stay in memory",
+                        spec.get("url"), e)
+            return None
+        return owner.run if owner is not None else None
 
     def _maybe_idle_exit(self) -> None:
         with self._lock:

@@ -196,7 +196,7 @@ class Session:
         step_dir = layout.step_dir(share.step)
         files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
                  (p.start, p.end) for p in job.round.plans}
-        return Kept(share.step, seg, files, self, seg_id)
+        return Kept(share.step, seg, files, self, seg_id, run=job.commit.run_id)
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
         left = self.agent.wait_idle(timeout_s, but=run)
@@ -240,8 +240,10 @@ class Session:
             out["kept"] = kept is not None
             if kept is not None:
                 kept.committed = job.share.rank == 0  # this agent committed it
-                out["released"] = self.agent.memory.keep(msg["storage"], job.share.rank, kept)
                 if kept.committed:
+                    self.agent.memory.owned_by(msg["storage"], job.commit.run_id)
+                out["released"] = self.agent.memory.keep(msg["storage"], job.share.rank, kept)
+                if kept.committed and not kept.dropped:  # (dropped: older than a commit since)
                     self.agent.peering.step_committed(msg["storage"], job.share.rank, kept)
             else:
                 out["released"] = []
