@@ -7,10 +7,10 @@ steps whose commit it has not seen yet (rank 0's agent commits itself; the other
 their trainer, which waits for the commit anyway): a node lost while a save is in flight leaves
 that step uncommitted, and the restart loads the committed one — from memory. Peer copies
 alike: one sent before its step committed (``CKPTD_PEER_COPY=staged``) counts as uncommitted
-until its sender's notice (one more of them than of its own steps: see :meth:`Memory._trim`). An older step is dropped once a newer one is known committed: given
-back to its trainer (the arena is staged into again) or, if the trainer is gone, removed. A step
-that is still being sent to a peer, or read by a load, is given back only once the copy is sent
-and the load done.
+until its sender's notice (one more of them than of its own steps: see :meth:`Memory._trim`).
+An older step is dropped once a newer one is known committed: given back to its trainer (the
+arena is staged into again) or, if the trainer is gone, removed. A step that is still being sent
+to a peer, or read by a load, is given back only once the copy is sent and the load done.
 
 Across the ranks of a root, once the run that owns it (``owner.json``) has committed
 ``keep_in_memory`` steps the agent holds, every step older than those is dropped too, whoever it
