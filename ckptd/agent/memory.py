@@ -70,8 +70,8 @@ class Memory:
                  give_back: Callable[[Any, int], None],
                  owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None) -> None:
         """``give_back(owner, seg_id)``: tell a live session that its arena is free again;
-        ``owner_of(spec)``: the run that owns the root now (None: unknown), read when a step of
-        another run than the one last learnt commits."""
+        ``owner_of(spec)``: the run that owns the root now (None: unknown), asked when a step of
+        another run than the owner last learnt arrives or commits."""
         self.keep_n, self.budget, self._give_back, self._owner_of = (keep, budget, give_back,
                                                                      owner_of)
         self.used = 0
