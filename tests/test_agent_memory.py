@@ -6,6 +6,7 @@ import os
 import pytest
 
 from ckptd.agent.memory import Kept, Memory
+from ckptd.agent.shm import unlink
 
 ROOT = {"url": "/job/root", "options": None}
 OTHER = {"url": "/other/root", "options": None}
@@ -27,13 +28,17 @@ def memory():
 
     mem = Memory(1, None, lambda owner, seg_id: given_back.append((owner, seg_id)), owner_of)
     mem.given_back, mem.owners, mem.asked = given_back, owners, asked
+    mem.made = []  # every segment a test created: a trainer's arenas are not the memory's
     yield mem
     mem.close()
+    for seg in mem.made:
+        unlink(seg.path)
 
 
 def _step(mem: Memory, step: int, *, owner=None, seg_id=-1, origin=None, committed=False,
           run="run1") -> Kept:
     seg = mem.create(4096, f"test{os.getpid()}")
+    mem.made.append(seg)
     return Kept(step, seg, {f"step-{step}/{run}/{origin}": (0, 4096)}, owner, seg_id,
                 origin=origin, committed=committed, run=run)
 
