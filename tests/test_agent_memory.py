@@ -52,8 +52,8 @@ def _held(mem: Memory, spec=ROOT) -> list[tuple[str, int, str | None, bool]]:
                   key=lambda h: (h[0], h[1], h[2] or "", h[3]))
 
 
-def _steps(mem: Memory) -> list[int]:
-    return sorted(step for _, step, _, _ in _held(mem))
+def _steps(mem: Memory, spec=ROOT) -> list[int]:
+    return sorted(step for _, step, _, _ in _held(mem, spec))
 
 
 def test_a_rank_keeps_its_newest_committed_step_and_one_written_after_it(memory):
@@ -86,11 +86,7 @@ def test_a_commit_drops_every_older_step_of_the_root_whoever_holds_it(memory):
     assert memory.given_back == [(other, 7)]  # a live trainer's arena goes back to it
     # the agent's own were removed: left are step 2, the arena given back, the other root's
     assert memory.used == used + 3 * 4096
-    assert _steps_of(memory, OTHER) == [1]
-
-
-def _steps_of(mem: Memory, spec) -> list[int]:
-    return sorted(step for _, step, _, _ in _held(mem, spec))
+    assert _steps(memory, OTHER) == [1]
 
 
 def test_a_new_owner_s_steps_replace_an_earlier_run_s_once_it_commits_whatever_the_numbers(

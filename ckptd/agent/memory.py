@@ -143,18 +143,8 @@ class Memory:
                   caller: Any) -> tuple[Kept | None, list[int]]:
         """``rank``'s ``step`` committed: the kept step (None if not held) and the arenas of
         ``caller`` that are free again (older steps dropped)."""
-        root = root_key(spec)
-        with self._lock:
-            steps = self._kept.get((root, rank), [])
-            found = next((k for k in reversed(steps) if k.step == step and k.origin is None),
-                         None)  # the newest: an older owner's step of that number comes first
-            if found is None or found.committed:
-                return None, []
-            found.committed = True
-        self._learn_owner(spec, root, found.run)
-        with self._lock:
-            dropped = self._floor(root) + self._trim(steps)
-        if found.dropped:  # older than what the root committed since
+        found, dropped = self._mark_committed(spec, rank, step, None, once=True)
+        if found is not None and found.dropped:  # older than what the root committed since
             found = None
         return found, [k.seg_id for k in dropped if self._release(k, caller)]
 
@@ -162,20 +152,27 @@ class Memory:
         """Node ``origin``'s copy of ``rank``'s ``step``, received before its commit, has
         committed: keep it as that rank's newest committed step (the copy before it is
         removed). False if it is not held (any more)."""
+        found, dropped = self._mark_committed(spec, rank, step, origin, once=False)
+        for k in dropped:
+            self._release(k)
+        return found is not None
+
+    def _mark_committed(self, spec: dict[str, Any], rank: int, step: int, origin: str | None,
+                        once: bool) -> tuple[Kept | None, list[Kept]]:
+        """Mark the newest kept ``step`` of ``rank`` from ``origin`` committed (an older run's
+        step of that number comes first) and drop what that makes older; (None, []) if not held
+        (or, ``once``, already marked)."""
         root = root_key(spec)
         with self._lock:
             steps = self._kept.get((root, rank), [])
             found = next((k for k in reversed(steps) if k.step == step and k.origin == origin),
                          None)
-            if found is None:
-                return False
+            if found is None or (once and found.committed):
+                return None, []
             found.committed = True
         self._learn_owner(spec, root, found.run)
         with self._lock:
-            dropped = self._floor(root) + self._trim(steps)
-        for k in dropped:
-            self._release(k)
-        return True
+            return found, self._floor(root) + self._trim(steps)
 
     def _trim(self, steps: list[Kept]) -> list[Kept]:
         """Drop from one rank's ``steps`` (oldest first) all but the newest ``keep_n`` committed
