@@ -2,7 +2,7 @@
 
     results = run(fn, world_size, *args, timeout=120)   # fn(rank, world_size, *args) per rank
 
-- Processes fork from a forkserver that preloaded torch (see ``_context``), so 8 ranks start
+- Processes fork from a forkserver that preloaded torch (see ``forkserver``), so 8 ranks start
   fast on two cores; ``fn`` must be a module-level function and ``args`` picklable.
 - The parent owns the rendezvous: a ``TCPStore`` server listening on a socket it bound to
   127.0.0.1 port 0 before forking, so there is no window in which another process can take the
@@ -106,12 +106,26 @@ def _worker(
         conn.close()
 
 
-def _context() -> Any:
+# What the forkserver imports once, before it forks any rank. A rank unpickles its function by
+# importing the test module that defines it, and that module's imports: everything heavy those
+# need belongs here, or every rank of every run pays for it (torch.distributed.tensor and pytest
+# alone cost ~1.2 s of CPU per rank: a 4-rank all_reduce took 3 s on 2 cores, 0.1 s with them
+# here). One server serves the whole test session, so the list is the union over the test files.
+# Names that do not import (s3fs without the extra) are skipped by the server.
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "pytest",
+    "hypothesis", "s3fs", "safetensors", "ckptd", "ckptd.checkpointer", "ckptd.cli",
+    "ckptd.elastic.preemption", "multirank", "transformer_state",
+]
+
+
+def forkserver() -> Any:
     """forkserver: children fork from a clean single-threaded server that has imported torch
     once, so they start fast and never inherit a lock held by one of the test process's threads
     (a plain fork did: a rank hung before init_process_group after earlier tests left threads)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ckptd", "multirank"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -133,7 +147,7 @@ def run(
         raise RuntimeError(
             "multirank.run() forks: the parent must not initialise torch.distributed"
         )
-    ctx = _context()
+    ctx = forkserver()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))

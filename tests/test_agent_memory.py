@@ -154,3 +154,24 @@ def test_a_step_being_read_is_removed_only_once_the_read_is_done(memory):
     for k in pinned:
         memory.pin(k, -1)
     assert not os.path.exists(old.segment.path)
+
+
+def test_the_owner_is_read_from_owner_json_and_an_unreadable_one_is_said_once(tmp_path, caplog):
+    """The agent's answer to ``owner_of``: the run in ``owner.json``; None (nothing dropped across
+    runs) while the root has none or it cannot be read, and that warning once, not per save."""
+    from ckptd.agent.server import Agent
+
+    agent = Agent("node-x", str(tmp_path / "sock"))
+    try:
+        spec = {"url": str(tmp_path / "root"), "options": None}
+        (tmp_path / "root").mkdir()
+        assert agent._owner_of(spec) is None  # no owner.json yet: no warning
+        (tmp_path / "root" / "owner.json").write_text("{not json")
+        with caplog.at_level("WARNING", logger="ckptd.agent"):
+            assert [agent._owner_of(spec) for _ in range(3)] == [None] * 3
+        said = [r.getMessage() for r in caplog.records if "who owns" in r.getMessage()]
+        assert len(said) == 1 and "owner.json: unreadable" in said[0], said
+        (tmp_path / "root" / "owner.json").write_text('{"run": "run7", "generation": 2}')
+        assert agent._owner_of(spec) == "run7"
+    finally:
+        agent.memory.close()

@@ -7,7 +7,6 @@ by messages from the workers (a queue), never by sleeping.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -19,6 +18,7 @@ from multiprocessing.queues import Queue
 from types import FrameType
 from typing import Any
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,10 +31,9 @@ from ckptd.elastic.preemption import (
     remaining_grace_s,
 )
 
-# forkserver: children are forked from a clean single-threaded server that has imported torch
-# once, so they start fast and never inherit this process's threads (which fork would).
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "ckptd.elastic"])
+# children are forked from the tests' one forkserver (a clean single-threaded server that has
+# imported torch once), so they start fast and never inherit this process's threads
+CTX = multirank.forkserver()
 TIMEOUT_S = 60.0
 
 # --------------------------------------------------------------------------- one process

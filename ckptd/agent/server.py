@@ -72,7 +72,7 @@ class Agent:
         # or, instead, what the launcher knows of its storage's bandwidth (a write to the page
         # cache measures the cache, not the disk; the first save has nothing measured)
         self._assumed_bps = float(os.environ.get("CKPTD_AGENT_WRITE_BPS", "0"))
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # warnings given once: a root (grace), an owner error
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, lock_fd: int | None = None) -> int:
@@ -180,8 +180,11 @@ class Agent:
         try:
             owner = catalog.read_owner(self.storage(spec))
         except (CkptdError, OSError) as e:
-            log.warning("ckptd agent: who owns %s is unknown (%s): older steps stay in memory",
-                        spec.get("url"), e)
+            said = f"owner of {spec.get('url')}: {e}"  # once per root and reason, not per save
+            if said not in self._warned:
+                self._warned.add(said)
+                log.warning("ckptd agent: who owns %s is unknown (%s): older steps stay in "
+                            "memory", spec.get("url"), e)
             return None
         return owner.run if owner is not None else None
 
