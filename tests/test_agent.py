@@ -518,6 +518,45 @@ def test_a_copy_sent_while_its_step_is_written_outlives_a_node_lost_before_the_c
     assert nbytes == from_memory + from_peer and from_peer >= 4 * N  # rank 1's half: the copy
 
 
+def _stage_steps_2_and_3(root: str, rank: int, node: str, conn) -> None:
+    """Step 1 on both ranks; steps 2 and 3 staged on rank 1 only (two saves in flight), so
+    neither commits; both ranks wait to be killed."""
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True,
+                           max_inflight=2)
+    c.save(_state(1, rank), step=1)
+    if rank == 1:
+        c.save_async(_state(2, rank), step=2)
+        c.save_async(_state(3, rank), step=3)
+    conn.send("saved")
+    conn.recv()
+
+
+def test_a_peer_keeps_a_committed_copy_behind_two_copies_in_flight(tmp_path, agents,
+                                                                   monkeypatch):
+    """The commit notice a peer gets: node a holds rank 1's step 1 as committed, so the copies of
+    steps 2 and 3 that arrive while they are written do not push it out (an unconfirmed copy is
+    kept only while it is one of the newest two: without the notice step 1 would go)."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    procs = fork_ranks(_stage_steps_2_and_3, lambda r: (root, r, (a, b)[r]), 2)
+    try:
+        for _, parent in procs:
+            assert parent.poll(120) and parent.recv() == "saved"
+        wait_until(lambda: _holds_step(root, a, 1, 2) and _holds_step(root, a, 1, 3), 60,
+                   "node a to hold rank 1's steps 2 and 3 before they commit")
+        assert _holds_step(root, a, 1, 1), "the committed copy went before its successors"
+        assert _latest(root) == 1
+    finally:
+        # node b's jobs wait for rank 0's shares of steps 2 and 3, which never come: it is
+        # killed, not stopped (a stop would wait them out for its grace window)
+        os.kill(int(open(wire.paths(b, agents.dir)["lock"]).read()), signal.SIGKILL)
+        reap(procs)
+
+
 def _load_in_group(rank: int, world: int, root: str, env: dict[str, str], nodes: list[str]):
     # one offer per node: from the node's first local rank
     local = nodes[:rank].count(nodes[rank])
