@@ -109,7 +109,7 @@ def _worker(
 # What the forkserver imports once, before it forks any rank. A rank unpickles its function by
 # importing the test module that defines it, and that module's imports: everything heavy those
 # need belongs here, or every rank of every run pays for it (torch.distributed.tensor and pytest
-# alone cost ~1.2 s of CPU per rank: a 4-rank all_reduce took 3 s on 2 cores, 0.1 s with them
+# alone cost ~1.2 s of CPU per rank: a 4-rank all_reduce took 3 s on 2 cores, 0.2 s with them
 # here). One server serves the whole test session, so the list is the union over the test files.
 # Names that do not import (s3fs without the extra) are skipped by the server.
 PRELOAD = [

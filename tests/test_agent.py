@@ -553,7 +553,10 @@ def test_a_peer_keeps_a_committed_copy_behind_two_copies_in_flight(tmp_path, age
     finally:
         # node b's jobs wait for rank 0's shares of steps 2 and 3, which never come: it is
         # killed, not stopped (a stop would wait them out for its grace window)
-        os.kill(int(open(wire.paths(b, agents.dir)["lock"]).read()), signal.SIGKILL)
+        lock_b = wire.paths(b, agents.dir)["lock"]
+        if os.path.exists(lock_b) and os.path.getsize(lock_b):  # (else: nothing to kill)
+            with open(lock_b) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
         reap(procs)
 
 
