@@ -63,7 +63,7 @@ def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loo
     flat = [lf.local for lf in state.leaves]
     buf = common.aligned_empty(state.nbytes)
     copies, writes = [], []
-    for i in range(saves + 1):
+    for _ in range(saves + 1):
         dist.barrier()
         t0 = time.perf_counter()
         off = 0
@@ -72,16 +72,11 @@ def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loo
             buf[off: off + n].copy_(t.reshape(-1).view(torch.uint8))
             off += n
         copies.append(common.slowest(time.perf_counter() - t0))
-        path = os.path.join(root, f"floor-{rank}-{i}.bin")
-        dist.barrier()
-        t0 = time.perf_counter()
-        common.write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
-        writes.append(common.slowest(time.perf_counter() - t0))
-        os.remove(path)
-    write = statistics.median(writes[1:])
-    return {"memcpy": statistics.median(copies[1:]), "write": write,
-            "slowdown": (_floor_slowdown(rank, root, size, saves, write) if compute_loop
-                         else float("nan"))}
+        if compute_loop:  # how long the compute loop's floor runs; _saves has the table's floor
+            writes.append(common.floor_write(os.path.join(root, f"floor-{rank}.bin"), buf))
+    return {"memcpy": statistics.median(copies[1:]),
+            "slowdown": (_floor_slowdown(rank, root, size, saves, statistics.median(writes[1:]))
+                         if compute_loop else float("nan"))}
 
 
 # the write floor as another process does it: the whole state (every rank's share) from memory
@@ -145,12 +140,7 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
             # the write floor before each save, after the same pause (benchmarks/README.md:
             # this disk's floor is bimodal and drifts; one measured in a block before the saves
             # may be in the other mode)
-            dist.barrier()
-            t0 = time.perf_counter()
-            common.write_fsync(floor_path, memoryview(buf.numpy()),  # type: ignore[arg-type]
-                               direct=True)
-            writes.append(common.slowest(time.perf_counter() - t0))
-            os.remove(floor_path)
+            writes.append(common.floor_write(floor_path, buf))
             time.sleep(gap_s)
             state.touch()
             dist.barrier()

@@ -434,6 +434,18 @@ def _values(group: str, fqn: str, rank: int, shape: tuple[int, ...],
 
 
 
+def floor_write(path: str, buf: torch.Tensor) -> float:
+    """The write floor of one step on every rank of the group: ``buf`` (4 KiB-aligned, see
+    :func:`aligned_empty`) written to a new file ``path`` with O_DIRECT and fsync, the ranks
+    starting together; the slowest rank's seconds. The file is removed."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
+    took = slowest(time.perf_counter() - t0)
+    os.remove(path)
+    return took
+
+
 def slowest(seconds: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> float:
     """Over every rank of the process group: the largest (or, with ``op=SUM``, the total) of
     ``seconds``."""

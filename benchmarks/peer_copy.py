@@ -63,14 +63,9 @@ def _ranks(rank: int, world: int, root: str, size: int, saves: int, gap_s: float
             # the write floor, the same bytes, before each save and after the same pause (a
             # floor measured in a block before all the saves sees another disk: this virtual
             # one's bandwidth drifts). Even so it is bimodal here: 1 GiB over 2 ranks took
-            # 0.65-0.73 s in some runs, 1.8-2.0 s in others (one stream sustains ~400 MB/s),
+            # 0.65-0.73 s in some runs, 1.8-2.0 s in others (one 3 GiB stream: 0.5 GB/s),
             # while durable stayed at 3.5-3.8 s: read durable / floor with that in mind
-            dist.barrier()
-            t0 = time.perf_counter()
-            path = os.path.join(root, f"floor-{rank}.bin")
-            common.write_fsync(path, memoryview(buf.numpy()), direct=True)  # type: ignore[arg-type]
-            writes.append(common.slowest(time.perf_counter() - t0))
-            os.remove(path)
+            writes.append(common.floor_write(os.path.join(root, f"floor-{rank}.bin"), buf))
             time.sleep(gap_s)
             state.touch()
             dist.barrier()

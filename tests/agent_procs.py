@@ -47,8 +47,10 @@ class Agents:
         self.dir, self.node = directory, node
         self.paths = wire.paths(node, directory)
 
-    def pid(self) -> int:
-        with open(self.paths["lock"]) as f:
+    def pid(self, node: str | None = None) -> int:
+        """The pid of the agent of ``node`` (default: the test's own node), from its lock file
+        (FileNotFoundError, ValueError: it never started)."""
+        with open(wire.paths(node, self.dir)["lock"] if node else self.paths["lock"]) as f:
             return int(f.read())
 
     def log(self) -> str:

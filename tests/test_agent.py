@@ -5,6 +5,8 @@ checks that no agent process is left."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -343,7 +345,7 @@ def test_a_lost_node_s_part_comes_from_storage_the_rest_from_memory(tmp_path, ag
     root = str(tmp_path / "root")
     a, b = agents.node, agents.node + "-b"
     _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
-    pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+    pid_b = agents.pid(b)
     os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
     wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
     rank1 = {p: n for p, n in _data_bytes(root, 1).items() if "/r00001" in p}
@@ -394,15 +396,19 @@ def test_the_agent_removes_an_old_step_once_the_next_save_is_staged(tmp_path, ag
         assert c.load(dst).step == 3 and torch.equal(dst["w"], _big(3)["w"])
 
 
-def _save_then_stall(root: str, rank: int, node: str, conn) -> ckptd.Checkpointer:
-    """Step 1 on both ranks; step 2 on rank 1 only (rank 0's node is lost before it hands
-    step 2 over), so step 2 never commits; rank 1 is killed while it waits for that commit."""
+def _save_then_stall(root: str, rank: int, node: str, conn,
+                     later: tuple[int, ...] = (2,)) -> ckptd.Checkpointer:
+    """Step 1 on both ranks; the ``later`` steps on rank 1 only, all in flight at once (rank 0's
+    node is lost before it hands step 2 over), so they never commit; rank 1 is killed while it
+    waits for those commits."""
     torch.set_num_threads(1)
     os.environ["CKPTD_NODE_ID"] = node
-    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True)
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True,
+                           max_inflight=len(later))
     c.save(_state(1, rank), step=1)
     if rank == 1:
-        c.save_async(_state(2, rank), step=2)
+        for step in later:
+            c.save_async(_state(step, rank), step=step)
     conn.send("saved")
     conn.recv()  # killed here (_stage_step_2: rank 0 goes on)
     return c
@@ -454,7 +460,7 @@ def test_a_lost_node_is_read_from_its_peer_s_memory(tmp_path, agents, monkeypatc
     _ranks(_save_on_node, lambda r: (root, r, (a, b)[r]), 2)
     # each agent sends its node's part to the other (a ring of two), after the commit
     wait_until(lambda: _holds(root, a, 1) and _holds(root, b, 0), 60, "the peer copies")
-    pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+    pid_b = agents.pid(b)
     os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory
     wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
     for path in _data_bytes(root, 1):  # and storage cannot serve the data either
@@ -500,7 +506,7 @@ def test_a_copy_sent_while_its_step_is_written_outlives_a_node_lost_before_the_c
         wait_until(lambda: _holds_step(root, b, 1, 2) and _holds_step(root, a, 1, 2), 60,
                    "node a to hold rank 1's step 2 before it commits")
         assert _holds_step(root, a, 1, 1), "the committed copy went before its successor"
-        pid_b = int(open(wire.paths(b, agents.dir)["lock"]).read())
+        pid_b = agents.pid(b)
         os.kill(pid_b, signal.SIGKILL)  # node b is lost with its memory, and its trainer
         os.kill(procs[1][0].pid, signal.SIGKILL)
         wait_until(lambda: not alive(pid_b), 10, "node b's agent to die")
@@ -518,21 +524,6 @@ def test_a_copy_sent_while_its_step_is_written_outlives_a_node_lost_before_the_c
     assert nbytes == from_memory + from_peer and from_peer >= 4 * N  # rank 1's half: the copy
 
 
-def _stage_steps_2_and_3(root: str, rank: int, node: str, conn) -> None:
-    """Step 1 on both ranks; steps 2 and 3 staged on rank 1 only (two saves in flight), so
-    neither commits; both ranks wait to be killed."""
-    torch.set_num_threads(1)
-    os.environ["CKPTD_NODE_ID"] = node
-    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True,
-                           max_inflight=2)
-    c.save(_state(1, rank), step=1)
-    if rank == 1:
-        c.save_async(_state(2, rank), step=2)
-        c.save_async(_state(3, rank), step=3)
-    conn.send("saved")
-    conn.recv()
-
-
 def test_a_peer_keeps_a_committed_copy_behind_two_copies_in_flight(tmp_path, agents,
                                                                    monkeypatch):
     """The commit notice a peer gets: node a holds rank 1's step 1 as committed, so the copies of
@@ -542,7 +533,8 @@ def test_a_peer_keeps_a_committed_copy_behind_two_copies_in_flight(tmp_path, age
     monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
     root = str(tmp_path / "root")
     a, b = agents.node, agents.node + "-b"
-    procs = fork_ranks(_stage_steps_2_and_3, lambda r: (root, r, (a, b)[r]), 2)
+    procs = fork_ranks(functools.partial(_save_then_stall, later=(2, 3)),
+                       lambda r: (root, r, (a, b)[r]), 2)
     try:
         for _, parent in procs:
             assert parent.poll(120) and parent.recv() == "saved"
@@ -553,10 +545,8 @@ def test_a_peer_keeps_a_committed_copy_behind_two_copies_in_flight(tmp_path, age
     finally:
         # node b's jobs wait for rank 0's shares of steps 2 and 3, which never come: it is
         # killed, not stopped (a stop would wait them out for its grace window)
-        lock_b = wire.paths(b, agents.dir)["lock"]
-        if os.path.exists(lock_b) and os.path.getsize(lock_b):  # (else: nothing to kill)
-            with open(lock_b) as f:
-                os.kill(int(f.read()), signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError, ValueError):  # (not started: no pid)
+            os.kill(agents.pid(b), signal.SIGKILL)
         reap(procs)
 
 

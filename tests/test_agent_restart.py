@@ -20,7 +20,6 @@ from agent_procs import alive, fork_ranks, reap, wait_until
 from test_agent import _expected, _latest, _load, _state
 
 import ckptd
-from ckptd.agent import wire
 from ckptd.manifest import layout
 
 _DRAIN_S = "60"  # a restart that waits it out is caught by the count it returns, not by time
@@ -86,7 +85,7 @@ def test_a_restart_fails_the_old_step_whose_missing_share_no_agent_holds(
         (t0, _), (t1, _) = procs
         _kill(t1.pid)  # before its share of step 2
         if lost == "node b":
-            _kill(int(open(wire.paths(b, agents.dir)["lock"]).read()))  # its agent too
+            _kill(agents.pid(b))  # its agent too
         _kill(t0.pid)  # torchrun stops the survivors before it restarts them
         # the drain ended with no job left: none waited out
         assert _second_run(root, caplog) == []
