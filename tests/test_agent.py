@@ -23,6 +23,7 @@ import torch
 from agent_procs import Agents, alive, fork_ranks, reap, wait_until
 
 import ckptd
+from ckptd import config
 from ckptd.agent import wire
 from ckptd.agent.client import AgentClient
 
@@ -766,6 +767,94 @@ def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer
         assert "handed to node" in agents.log()
     finally:
         on_b.close()
+
+
+def _eight(step: int) -> dict:
+    """16 MiB in 8 tensors: 8 files (with 1 MiB files allowed), to stop between."""
+    w = _big(step)["w"]
+    return {**{f"w{i}": w[i << 19: (i + 1) << 19] for i in range(8)}, "step": step}
+
+
+def _check_eight(root: str) -> None:
+    want = _eight(1)
+    dst = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in want.items()}
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        assert c.load(dst).step == 1
+    for k, v in want.items():
+        assert torch.equal(dst[k], v) if isinstance(v, torch.Tensor) else dst[k] == v, k
+
+
+def _stop_mid_write(root: str, agents: Agents, stop_b_first: bool) -> ckptd.SaveResult:
+    """Node a's agent writes ``_eight(1)`` (16 MiB in 8 files) at its ``CKPTD_AGENT_WRITE_RATE``
+    while node b holds the save's staged copy; a is SIGTERMed with more than its grace window
+    left to write (b first, if ``stop_b_first``). The save's result."""
+    b = agents.node + "-b"
+    with config.override(min_file_bytes=1 << 20):
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
+            h = c.save_async(_eight(1))
+            wait_until(lambda: _holds_step(root, b, 0, 1), 30, "node b to hold the copy")
+            if stop_b_first:
+                os.kill(agents.pid(b), signal.SIGTERM)
+                wait_until(lambda: "stopping;" in open(wire.paths(b, agents.dir)["log"]).read(),
+                           30, "node b's agent to see its SIGTERM")
+            os.kill(agents.pid(), signal.SIGTERM)
+            return h.result(120)
+
+
+def test_a_save_being_written_at_sigterm_is_written_by_the_peer_that_holds_its_copy(
+        tmp_path, agents, monkeypatch):
+    """``CKPTD_PEER_COPY=staged``: node b holds the save's copy while node a writes it. Node a is
+    SIGTERMed with more left to write than its grace window allows: it stops between two files,
+    and node b writes the whole save from its copy — only the job travels — and commits it."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    monkeypatch.setenv("CKPTD_GRACE_S", "5")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    try:
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "1000000")  # node a's agent only
+        pid_a = agents.pid
+        out = _stop_mid_write(root, agents, stop_b_first=False)
+        assert out.handed_to == b
+        wait_until(lambda: not alive(pid_a()), 30, "node a's agent to exit")
+        assert _latest(root) == 1
+        _check_eight(root)
+        (record,) = _handoff_records(root, 1)
+        assert (record["from"], record["to"], record["rank"], record["step"]) == (a, b, 0, 1)
+        log_a = agents.log()
+        assert "rank 0 step 1: stopped with" in log_a
+        assert f"rank 0 step 1 is written by node {b} from the copy it holds" in log_a
+        log_b = open(wire.paths(b, agents.dir)["log"]).read()
+        assert f"wrote node {a}'s rank 0 step 1" in log_b
+        assert _holds_step(root, b, 0, 1)  # and it keeps the copy, committed, for a restart
+    finally:
+        on_b.close()
+
+
+def test_a_save_stopped_at_sigterm_that_no_peer_takes_over_is_written_here(
+        tmp_path, agents, monkeypatch):
+    """The peer that holds the copy is stopping too: it refuses, and node a writes the save
+    itself, past its grace window — late, perhaps, but not lost."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    monkeypatch.setenv("CKPTD_GRACE_S", "3")
+    root = str(tmp_path / "root")
+    b = agents.node + "-b"
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    try:
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "4000000")  # 4 s for 16 MiB > 3 s
+        assert _stop_mid_write(root, agents, stop_b_first=True).handed_to is None
+    finally:
+        on_b.close()
+    _check_eight(root)
+    assert _handoff_records(root, 1) == []
+    log_a = agents.log()
+    assert "rank 0 step 1: stopped with" in log_a
+    # (refused while node b drains its session, lost if it has exited already)
+    assert ("does not write rank 0 step 1 from its copy: " in log_a and "stopping too" in log_a
+            or f"node {b}, which holds rank 0 step 1, is lost" in log_a)
+    assert "rank 0 step 1: no peer writes it from its copy; writing it here" in log_a
 
 
 def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_path, agents,

@@ -29,9 +29,10 @@ log = logging.getLogger("ckptd.agent")
 
 
 def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: str,
-          give_up: Callable[[list[int]], str | None] | None = None) -> None:
+          give_up: Callable[[list[int]], str | None] | None = None,
+          gate: remote.Gate | None = None) -> None:
     """Write the handed-over job ``header["job"]`` whose staged bytes are ``staged``: its
-    record, its files, its partial; on rank 0 the commit (``give_up``: its, as in
+    record, its files, its partial; on rank 0 the commit (``give_up``, ``gate``: as in
     :func:`ckptd.writer.remote.run`), then retention."""
     job = remote.decode(header["job"], staged)  # every slot checked against the bytes received
     share = job.share
@@ -46,7 +47,7 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     background()  # like this node's own saves: its training answers first
     with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io",
                             initializer=background) as io:
-        out = remote.run(storage, io, job, staged, give_up)
+        out = remote.run(storage, io, job, staged, give_up, gate)
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
                 header["origin"], share.rank, share.step, out["nbytes"],
                 ", committed" if share.rank == 0 else "")

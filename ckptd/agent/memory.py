@@ -253,6 +253,16 @@ class Memory:
                         return k, k.segment.view()[a:b]
         return None
 
+    def held_copy(self, spec: dict[str, Any], origin: str, rank: int, step: int) -> Kept | None:
+        """The peer copy of ``origin``'s ``rank`` ``step`` held here, pinned (the caller
+        unpins it); None if not held (any more)."""
+        with self._lock:
+            for k in reversed(self._kept.get((root_key(spec), rank), [])):
+                if k.origin == origin and k.step == step and not k.dropped:
+                    k.pins += 1
+                    return k
+        return None
+
     def is_kept(self, segment: Segment) -> bool:
         with self._lock:
             return any(k.segment is segment for ks in self._kept.values() for k in ks)

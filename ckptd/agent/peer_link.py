@@ -91,13 +91,16 @@ class PeerServer:
     read; None if not held. ``holds(question)`` answers which shares this agent writes or
     awaits (``question["op"] == "holds"``: :mod:`ckptd.agent.orphans`); ``notice(header)``
     learns that a copy sent before its commit has committed (``header["op"] ==
-    "committed"``)."""
+    "committed"``); ``write(header)`` writes a save a stopping peer stopped writing, from the
+    copy of it held here (``header["op"] == "write"``)."""
 
     def __init__(self, secret: bytes, host: str, accept: Accept,
                  lookup: Lookup | None = None, take_over: Accept | None = None,
-                 holds: Answer | None = None, notice: Answer | None = None) -> None:
+                 holds: Answer | None = None, notice: Answer | None = None,
+                 write: Answer | None = None) -> None:
         self.secret, self._accept, self._lookup = secret, accept, lookup
         self._take_over, self._holds, self._notice = take_over, holds, notice
+        self._write = write
         self.sock = socket.create_server((host, 0))
         self.address = self.sock.getsockname()[:2]
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
@@ -128,7 +131,7 @@ class PeerServer:
                 if header.get("op") == "read":
                     self._reads(conn, header)
                     return
-                answers = {"holds": self._holds, "committed": self._notice}
+                answers = {"holds": self._holds, "committed": self._notice, "write": self._write}
                 if header.get("op") in answers:
                     answer_of = answers[header["op"]]
                     wire.send(conn, answer_of(header) if answer_of is not None else

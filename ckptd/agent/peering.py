@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 from ckptd.agent import handoff
 from ckptd.agent.memory import Kept, OverBudget
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peer_link import PeerServer, job_secret
-from ckptd.agent.peers import Notice, Outgoing, Replicator, copy_when
+from ckptd.agent.peer_link import PeerServer, ask, job_secret
+from ckptd.agent.peers import NOTICE_TIMEOUT_S, Notice, Outgoing, Replicator, copy_when
 from ckptd.agent.shm import Segment
+from ckptd.errors import CkptdError
+from ckptd.writer import remote
 
 if TYPE_CHECKING:
+    import torch
+
     from ckptd.agent.server import Agent
 
 log = logging.getLogger("ckptd.agent")
@@ -43,7 +47,7 @@ class Peering:
             return
         self.server = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
                                 self._peer_accept, self._peer_lookup, self._take_over,
-                                self.agent.shares.answer, self._peer_notice)
+                                self.agent.shares.answer, self._peer_notice, self._write_held)
         self.copy_staged = copy_when() == "staged"
         rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
         self.replicator = Replicator(self.agent.node, secret, self.server.address,
@@ -103,21 +107,86 @@ class Peering:
                 self.agent.memory.forget(seg)
                 self.agent.job_ended(job)
                 return
-            threading.Thread(target=self._write_handed, args=(header, seg, job),
-                             name="ckptd-handoff", daemon=True).start()
+            self._write_handed(header, seg.tensor, job, lambda _: self.agent.memory.forget(seg))
 
         return seg.view()[:total], finish
 
-    def _write_handed(self, header: dict[str, Any], seg: Segment, job: JobKey) -> None:
+    def _write_held(self, header: dict[str, Any]) -> dict[str, Any]:
+        """A stopping peer stopped writing a save between two files because it could not finish
+        inside its grace window, and this agent holds the save's staged copy: write it from the
+        copy (every file, the partial, on rank 0 the commit), as a hand-off. Refused when this
+        agent stops too, holds no such copy, or the job's files are not the copy's."""
+        what = f"node {header.get('origin')}'s rank {header.get('rank')} step {header.get('step')}"
+        if self.agent.stopping.is_set():
+            return {"ok": False, "error": "stopping too"}
+        spec = header["spec"]
+        kept = self.agent.memory.held_copy(spec, str(header["origin"]), int(header["rank"]),
+                                           int(header["step"]))
+        if kept is None:
+            return {"ok": False, "error": f"holds no copy of {what}"}
         try:
-            handoff.write(self.agent.storage(header["spec"]), header, seg.tensor, self.agent.node,
-                          self.agent.give_up(header["spec"], job))
-        except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
-            log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
-                      header.get("origin"), header.get("rank"), header.get("step"), e)
-        finally:
-            self.agent.memory.forget(seg)
-            self.agent.job_ended(job)
+            job = remote.decode(header["job"], kept.segment.tensor)  # every slot checked
+            if remote.file_ranges(job) != kept.files:
+                raise CkptdError("its files are not those of the copy held")
+            key = JobKey.of(spec, header["job"])
+        except (CkptdError, KeyError, ValueError, TypeError) as e:
+            self.agent.memory.pin(kept, -1)
+            log.warning("ckptd agent: refused to write %s from its copy: %s", what, e)
+            return {"ok": False, "error": f"{what}: {e}"}
+        self.agent.job_started(key)  # before the answer: the sender's job ends after it
+
+        def done(ok: bool) -> None:
+            if ok and job.share.rank == 0:  # this agent committed it
+                self.agent.memory.peer_committed(spec, str(header["origin"]), 0, job.share.step)
+            self.agent.memory.pin(kept, -1)
+
+        self._write_handed(header, kept.segment.tensor, key, done)
+        return {"ok": True}
+
+    def _write_handed(self, header: dict[str, Any], staged: torch.Tensor, job: JobKey,
+                      done: Callable[[bool], None]) -> None:
+        """Write a save another node's agent handed over, on a thread of its own; then
+        ``done(written)``."""
+
+        def write() -> None:
+            ok = False
+            try:
+                handoff.write(self.agent.storage(header["spec"]), header, staged,
+                              self.agent.node, self.agent.give_up(header["spec"], job),
+                              self.agent.gate())
+                ok = True
+            except BaseException as e:  # noqa: BLE001 - recorded for the other ranks by the writer
+                log.error("ckptd agent: node %s's rank %s step %s failed here: %s",
+                          header.get("origin"), header.get("rank"), header.get("step"), e)
+            finally:
+                done(ok)
+                self.agent.job_ended(job)
+
+        threading.Thread(target=write, name="ckptd-handoff", daemon=True).start()
+
+    def write_held(self, spec: dict[str, Any], job: dict[str, Any], copy: Outgoing) -> str | None:
+        """Ask a peer that holds ``copy`` (a staged copy of a save whose write this stopping
+        agent stopped) to write the save from it: only the job travels. The node that writes
+        it now, or None (none would: write it here)."""
+        if self.replicator is None:
+            return None
+        message = {"op": "write", "spec": spec, "origin": self.agent.node, "rank": copy.rank,
+                   "step": copy.step, "job": job}
+        for peer in copy.holders:
+            left = self.agent.grace_left()
+            if left <= 0:
+                break
+            try:
+                if ask(self.replicator.secret, peer, message, min(NOTICE_TIMEOUT_S, left)):
+                    log.warning("ckptd agent: rank %d step %d is written by node %s from the "
+                                "copy it holds", copy.rank, copy.step, peer["node"])
+                    return str(peer["node"])
+                log.warning("ckptd agent: node %s, which holds rank %d step %d, is lost",
+                            peer["node"], copy.rank, copy.step)
+            except (OSError, ValueError) as e:
+                log.warning("ckptd agent: node %s does not write rank %d step %d from its "
+                            "copy: %s", peer.get("node"), copy.rank, copy.step, e)
+        return None
 
     def _peer_lookup(self, spec: dict[str, Any],
                      path: str) -> tuple[memoryview, Callable[[], None]] | None:

@@ -12,13 +12,16 @@ socket's mode.
 SIGTERM or a ``stop`` request: stop accepting new clients; serve the connected trainers until
 they close (their last save comes after the SIGTERM) or the grace window ends; finish every job —
 a save that cannot be written in the grace left is handed to a peer that is not stopping
-(:meth:`Agent.claim`, :meth:`Peering.hand_off`); wait for the newest step's peer copies inside the
-grace left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
+(:meth:`Agent.claim`, :meth:`Peering.hand_off`), and saves being written that cannot finish in
+it are stopped and written by the peer that holds their staged copy
+(:meth:`Agent._stop_writes_peers_hold`); wait for the newest step's peer copies inside the grace
+left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
 itself (a job's agent does not outlive it for long).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,19 +29,19 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptd.agent import orphans, wire
 from ckptd.agent.memory import Memory
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peering import Peering
-from ckptd.agent.session import Session
+from ckptd.agent.session import Flight, Session
 from ckptd.agent.shm import stale_segments, unlink
 from ckptd.errors import CkptdError
 from ckptd.manifest import catalog
 from ckptd.storage import Storage, open_storage
-from ckptd.writer import exiting
+from ckptd.writer import exiting, remote
 
 log = logging.getLogger("ckptd.agent")
 
@@ -72,6 +75,10 @@ class Agent:
         # or, instead, what the launcher knows of its storage's bandwidth (a write to the page
         # cache measures the cache, not the disk; the first save has nothing measured)
         self._assumed_bps = float(os.environ.get("CKPTD_AGENT_WRITE_BPS", "0"))
+        # at most this many bytes/s, each save (the storage's bandwidth kept for training's own
+        # traffic: its data loading, say); 0: no limit
+        self.write_rate = float(os.environ.get("CKPTD_AGENT_WRITE_RATE", "0"))
+        self._flights: set[Flight] = set()  # the saves being written here, for a stop
         self._warned: set[str] = set()  # warnings given once: a root (grace), an owner error
 
     # ------------------------------------------------------------------ lifecycle
@@ -128,8 +135,47 @@ class Agent:
 
     @property
     def _bandwidth(self) -> float:
-        """Bytes/s this node writes: the launcher's figure if given, else the measured one."""
-        return self._assumed_bps or self._write_bps
+        """Bytes/s this node writes: the launcher's figure if given, else the measured one;
+        at most the rate limit."""
+        bps = self._assumed_bps or self._write_bps
+        return min(bps, self.write_rate) if bps and self.write_rate else bps or self.write_rate
+
+    def gate(self) -> remote.Gate:
+        """What each file of one save here passes first: the rate limit, and the stop."""
+        return remote.Gate(self.write_rate or None)
+
+    @contextlib.contextmanager
+    def writing(self, flight: Flight) -> Iterator[Flight]:
+        """``flight`` is being written here (a stop may hand it to the peer with its copy)."""
+        with self._lock:
+            self._flights.add(flight)
+        try:
+            yield flight
+        finally:
+            with self._lock:
+                self._flights.discard(flight)
+
+    def _stop_writes_peers_hold(self) -> None:
+        """At SIGTERM: if the saves being written here cannot all be finished inside the grace
+        window at this node's bandwidth, stop every one whose staged copy a peer holds
+        (``CKPTD_PEER_COPY=staged``; a copy still being sent is waited for, inside the grace
+        left) between two files: its job then asks that peer to write it from the copy
+        (:meth:`Peering.write_held`), and writes it here only if none will."""
+        with self._lock:
+            flights, bps = list(self._flights), self._bandwidth
+        left = sum(f.left for f in flights)
+        if not bps or left / bps <= self.grace_left():
+            return
+        log.warning("ckptd agent: %.3g GB still to write at %.3g GB/s need %.0f s > %.0f s of "
+                    "grace left: the saves a peer holds a copy of go to that peer", left / 1e9,
+                    bps / 1e9, left / bps, self.grace_left())
+        for f in flights:
+            if f.copy is None or not f.copy.finished.wait(max(0.0, self.grace_left())):
+                continue
+            if f.copy.holders and f.left:
+                log.warning("ckptd agent: rank %d step %d: stopped with %d of %d bytes to "
+                            "write", f.copy.rank, f.copy.step, f.left, f.nbytes)
+                f.gate.stop()
 
     def claim(self, nbytes: int, *, force: bool = False) -> bool:
         """Whether a save of ``nbytes`` can be written here before the grace window ends, with
@@ -167,7 +213,7 @@ class Agent:
         self._warned.add(root)
         advice = ("the peer copies keep it safe if this node is lost"
                   if self.peering.replicator else "set CKPTD_JOB_SECRET to keep a peer copy")
-        msg = (f"{node / 1e9:.1f} GB per node at {bps / 1e9:.2f} GB/s needs {need:.0f} s > "
+        msg = (f"{node / 1e9:.3g} GB per node at {bps / 1e9:.3g} GB/s needs {need:.0f} s > "
                f"{grace:.0f} s of SIGTERM grace: {advice}")
         log.warning("ckptd agent: %s", msg)
         return msg
@@ -205,6 +251,7 @@ class Agent:
         the batch system's SIGKILL follows it, and a dead rank's partial never comes."""
         exiting.begin(self.grace_left(),
                       f"the node agent is stopping and its {grace_s():g}s grace window ended")
+        self._stop_writes_peers_hold()
         with self._idle:
             while (self._sessions or self._busy) and self.grace_left() > 0:
                 self._idle.wait(min(1.0, self.grace_left()))

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
@@ -16,10 +17,11 @@ from ckptd.agent import wire
 from ckptd.agent.memory import Kept
 from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
-from ckptd.manifest import codecs, layout
+from ckptd.manifest import codecs
 from ckptd.writer import remote, retention
 
 if TYPE_CHECKING:
+    from ckptd.agent.peers import Outgoing
     from ckptd.agent.server import Agent
 
 log = logging.getLogger("ckptd.agent")
@@ -42,6 +44,20 @@ def background() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice())
         except OSError as e:  # not Linux, or not allowed: the default priority
             log.info("ckptd agent: writer threads keep their priority (%s)", e)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One save being written by this agent."""
+
+    nbytes: int
+    gate: remote.Gate
+    copy: Outgoing | None  # its staged copy, sent to the peers while it is written
+
+    @property
+    def left(self) -> int:
+        """Its bytes not written, nor being written."""
+        return self.nbytes - self.gate.started
 
 
 class Session:
@@ -192,11 +208,8 @@ class Session:
         files: there the arena range is the file."""
         if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
             return None
-        share = job.share
-        step_dir = layout.step_dir(share.step)
-        files = {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}":
-                 (p.start, p.end) for p in job.round.plans}
-        return Kept(share.step, seg, files, self, seg_id, run=job.commit.run_id)
+        return Kept(job.share.step, seg, remote.file_ranges(job), self, seg_id,
+                    run=job.commit.run_id)
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
         left = self.agent.wait_idle(timeout_s, but=run)
@@ -217,8 +230,7 @@ class Session:
                 to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged,
                                                  job.share.rank, job.share.step)
                 if to is not None:
-                    self.reply({"id": rid, "op": "done", "nbytes": nbytes, "write_s": 0.0,
-                                "handed_to": to, "kept": False, "released": []})
+                    self._handed(rid, nbytes, to)
                     return
                 log.warning("ckptd agent: %s: no peer took it; writing it here, past the "
                             "grace window if it must", what)
@@ -229,12 +241,14 @@ class Session:
             early = (self.agent.peering.replicate_staged(msg["storage"], job.share.rank, kept)
                      if kept is not None else None)
             try:
-                out = remote.run(storage, self._io, job, seg.tensor,
-                                 self.agent.give_up(msg["storage"], key))
+                out = self._write(msg, job, seg, key, early)
             except BaseException:
                 if early is not None:
                     early.abandon()  # before the trainer gets this arena back
                 raise
+            if isinstance(out, str):  # the peer with its copy writes it
+                self._handed(rid, nbytes, out)
+                return
             out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
                                                     out["nbytes"], out["write_s"])
             out["kept"] = kept is not None
@@ -259,6 +273,33 @@ class Session:
             self._job_done(seg_id)
             self.agent.job_ended(key)
 
+    def _write(self, msg: dict[str, Any], job: remote.Job, seg: Segment, key: JobKey,
+               early: Outgoing | None) -> dict[str, Any] | str:
+        """Write the job here (:func:`ckptd.writer.remote.run`'s result); or, if the stopping
+        agent stopped it (:meth:`Agent._stop_writes_peers_hold`), have the peer that holds its
+        staged copy write it: that node. Here after all if no such peer will."""
+        assert self._io is not None, "hello first"
+        io = self._io
+        storage = self.agent.storage(msg["storage"])
+        give_up = self.agent.give_up(msg["storage"], key)
+        flight = Flight(job.round.nbytes, self.agent.gate(), early)
+        try:
+            with self.agent.writing(flight):
+                return remote.run(storage, io, job, seg.tensor, give_up, flight.gate)
+        except remote.Stopped:
+            assert early is not None  # only a save with a copy held by a peer is stopped
+        to = self.agent.peering.write_held(msg["storage"], msg["job"], early)
+        if to is not None:
+            return to
+        log.warning("ckptd agent: rank %d step %d: no peer writes it from its copy; writing it "
+                    "here, past the grace window if it must", job.share.rank, job.share.step)
+        return remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate())
+
+    def _handed(self, rid: Any, nbytes: int, to: str) -> None:
+        """The save ``rid`` is written (and on rank 0 committed) by node ``to``'s agent."""
+        self.reply({"id": rid, "op": "done", "nbytes": nbytes, "write_s": 0.0,
+                    "handed_to": to, "kept": False, "released": []})
+
     def _settle_retention(self) -> None:
         """Remove the old steps the last commit owes — unless the agent is stopping: its grace
         window is for saves, and the next run's writer removes them."""
@@ -282,4 +323,4 @@ class Session:
                 self.agent.memory.forget(seg)
 
 
-__all__ = ["Session"]
+__all__ = ["Flight", "Session"]

@@ -161,13 +161,18 @@ class RankWriter:
     """Writes one rank's files for one attempt, round by round, then its partial manifest."""
 
     def __init__(
-        self, storage: Storage, io: Executor, pool: StagingPool, codec: str, level: int
+        self, storage: Storage, io: Executor, pool: StagingPool, codec: str, level: int,
+        before_file: Callable[[int], None] | None = None,
     ) -> None:
+        """``before_file(nbytes)``: called in the I/O thread before each file is written (the
+        node agent's pace and stop, :class:`ckptd.writer.remote.Gate`); what it raises fails
+        that file."""
         self.storage = storage
         self.io = io
         self.pool = pool
         self.codec = codec
         self.level = level
+        self.before_file = before_file
 
     def start_files(
         self,
@@ -191,7 +196,7 @@ class RankWriter:
                 path = layout.data_file(share.attempt, share.rank, first_index + plan.index)
                 futures.append(
                     self.io.submit(
-                        write_file,
+                        self._write_file,
                         self.storage,
                         layout.step_dir(share.step),
                         path,
@@ -208,6 +213,12 @@ class RankWriter:
                 f.exception()
             raise
         return futures
+
+    def _write_file(self, storage: Storage, step_dir: str, rel_path: str,
+                    arena: torch.Tensor | HostArray, plan: FilePlan, *args: Any) -> ChunkList:
+        if self.before_file is not None:
+            self.before_file(plan.end - plan.start)
+        return write_file(storage, step_dir, rel_path, arena, plan, *args)
 
     def write_round(
         self, share: Share, arena: Arena, rnd: Round, first_index: int, codec: str | None = None

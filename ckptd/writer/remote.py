@@ -10,6 +10,7 @@ the same memory and runs :func:`run` — the same writer, partial and commit as 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ckptd.errors import CkptdError
-from ckptd.manifest import TensorEntry
+from ckptd.manifest import TensorEntry, layout
 from ckptd.manifest.schema import dtype_from_name, dtype_name
 from ckptd.regions import Box
 from ckptd.sharding import Piece
@@ -35,6 +36,43 @@ VERSION = 1
 
 class AgentLost(CkptdError):
     """The node agent died or stopped answering; the save continues in this process."""
+
+
+class Stopped(CkptdError):
+    """The agent stopped this write between two files (:meth:`Gate.stop`): the files written so
+    far stay, nothing is recorded as failed — another writer takes the share over."""
+
+
+class Gate:
+    """What the agent's I/O threads pass before each file of one write: a pace (at most
+    ``rate`` bytes/s over the write, ``$CKPTD_AGENT_WRITE_RATE``; None: no limit) and a stop
+    (:meth:`stop`: every file not started yet raises :class:`Stopped`, a pace's wait ends at
+    once; a file being written finishes)."""
+
+    def __init__(self, rate: float | None = None) -> None:
+        self.rate = rate
+        self.started = 0  # bytes of the files past the gate (being written, or written)
+        self._booked = 0  # bytes of the files that came to it (the pace's schedule)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:  # each file's turn comes once the files before it had theirs
+            due = self._t0 + self._booked / self.rate if self.rate else 0.0
+            self._booked += nbytes
+        wait = due - time.monotonic()
+        if self._stop.wait(wait) if wait > 0 else self._stop.is_set():
+            raise Stopped("the agent stopped this write")
+        with self._lock:
+            self.started += nbytes
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
 
 class Ticket(Protocol):
@@ -162,18 +200,32 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
                       int(c["keep_last"]), incarnation_of(c)))
 
 
+def file_ranges(job: Job) -> dict[str, tuple[int, int]]:
+    """Each data file of the job (its path under the root) and its bytes' range in the arena:
+    with the raw codec, the file itself."""
+    share = job.share
+    step_dir = layout.step_dir(share.step)
+    return {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}": (p.start, p.end)
+            for p in job.round.plans}
+
+
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
-        give_up: Callable[[list[int]], str | None] | None = None) -> dict[str, Any]:
+        give_up: Callable[[list[int]], str | None] | None = None,
+        gate: Gate | None = None) -> dict[str, Any]:
     """Write the files, the partial, and on rank 0 commit: the in-process save's background
     half, in the agent (then :func:`owe_retention`, once the trainer is told). A failure before
     the partial is recorded for the other ranks (and the files removed); the error is
-    raised. ``give_up``: the commit's (:func:`ckptd.writer.commit.coordinate`)."""
+    raised. ``give_up``: the commit's (:func:`ckptd.writer.commit.coordinate`). ``gate``: passed
+    before each file; if it stopped a file, :class:`Stopped` is raised once no file is being
+    written any more, with nothing recorded or removed (the files written stay)."""
     share = job.share
-    writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level)
+    writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level, gate)
     t0 = time.perf_counter()
     try:
         chunks = writer.write_round(share, Arena(arena), job.round, 0)
-        writer.write_partial(share, chunks)
+        writer.write_partial(share, chunks)  # (a stop after the last file changes nothing)
+    except Stopped:
+        raise
     except BaseException as e:
         commit.record_failure(storage, Signals(None), share.step, share.attempt, share.rank, e)
         writer.discard(share, len(job.round.plans))
@@ -203,5 +255,5 @@ def pool_for(offload: Offload, slots: int) -> StagingPool:
     return pool
 
 
-__all__ = ["AgentLost", "Commit", "Job", "Offload", "Ticket", "decode",
-           "encode", "owe_retention", "run", "pool_for"]
+__all__ = ["AgentLost", "Commit", "Gate", "Job", "Offload", "Stopped", "Ticket", "decode",
+           "encode", "file_ranges", "owe_retention", "run", "pool_for"]
