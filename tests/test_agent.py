@@ -605,6 +605,47 @@ def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch,
         c.close()
 
 
+def _send_as_peer(me: dict, root: str, step: int, data: bytes, digest_of: bytes) -> dict:
+    """A copy of ``data`` to the agent at ``me`` over the peer wire, by hand, followed by the
+    digest of ``digest_of``: the agent's last answer."""
+    import xxhash
+
+    from ckptd.agent.peer_link import answer_challenge
+
+    with socket.create_connection((me["host"], me["port"]), timeout=30) as s:
+        answer_challenge(s, b"s3cret-of-this-job", "refused")
+        wire.send(s, {"spec": {"url": root, "options": None}, "origin": "mallory", "rank": 0,
+                      "step": step, "run": "r", "committed": True,
+                      "files": {f"step-{step:09d}/data/x/r00000-0.bin": len(data)}})
+        assert wire.recv(s, 4096)["ok"]
+        s.sendall(data)
+        wire.send(s, {"xxh3": xxhash.xxh3_64_hexdigest(digest_of)})
+        return wire.recv(s, 4096)
+
+
+def test_a_peer_copy_that_arrives_damaged_is_not_kept(tmp_path, agents, monkeypatch):
+    """What a peer sends is followed by its digest: bytes that differ from what was sent (damaged
+    on the wire) are dropped, not kept — nor, for a hand-off, written with checksums of the
+    damage."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    root = str(tmp_path / "root")
+    on_a = AgentClient.connect({"url": root, "options": None}, threads=1)  # registers it
+    try:
+        with open(os.path.join(root, "_agents", f"{agents.node}.json")) as f:
+            me = json.load(f)
+        sent = bytes(range(256)) * 64
+        damaged = sent[:100] + b"\xff" + sent[101:]
+        reply = _send_as_peer(me, root, 98, damaged, digest_of=sent)
+        assert not reply["ok"] and "damaged" in reply["error"]
+        assert _send_as_peer(me, root, 99, sent, digest_of=sent)["ok"]  # the control
+        held = on_a.kept().files
+        assert not any("step-000000098" in p for p in held)
+        assert any("step-000000099" in p for p in held)
+        assert "mallory's rank 0 step 98 arrived damaged" in agents.log()
+    finally:
+        on_a.close()
+
+
 def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_window(
         tmp_path, agents, monkeypatch, caplog):
     monkeypatch.setenv("CKPTD_GRACE_S", "1e-9")  # any state takes longer than that

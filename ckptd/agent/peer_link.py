@@ -3,6 +3,9 @@ and the serving side (:class:`PeerServer`: peer copies, hand-offs, range reads, 
 shares) with the loaders' side of range reads (:class:`PeerReads`). What is sent, to whom and
 when is :mod:`ckptd.agent.peers`.
 
+* **Whole**: what a peer sends (a copy, a hand-off) is followed by its xxh3 digest; the
+  receiver keeps it, or writes it, only if what arrived has the same (a hand-off is written
+  with checksums computed here: they must be of the sender's bytes).
 * **Who**: agents of one job share a secret (``$CKPTD_JOB_SECRET``, set by the launcher; there is
   no default, and without it there are no peer copies). A connection starts with a challenge: the
   receiver sends a random nonce, the sender answers ``HMAC-SHA256(secret, nonce)``; anything else
@@ -20,6 +23,8 @@ import socket
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import xxhash
 
 from ckptd.agent import wire
 
@@ -148,6 +153,13 @@ class PeerServer:
                 into, done = accepted
                 finish = done  # until the bytes are in, a failure gives the memory back
                 recv_into(conn, into[:total])
+                sent = wire.recv(conn, 4096).get("xxh3")  # the sender's digest of what it sent
+                if sent != xxhash.xxh3_64_hexdigest(into[:total]):
+                    log.warning("ckptd agent: node %s's rank %s step %s arrived damaged "
+                                "(its checksum differs): dropped", header.get("origin"),
+                                header.get("rank"), header.get("step"))
+                    wire.send(conn, {"ok": False, "error": "arrived damaged: checksum differs"})
+                    return  # (finish gives the memory back)
                 finish = None
                 done(True)
                 wire.send(conn, {"ok": True})

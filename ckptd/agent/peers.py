@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from ckptd.agent import wire
 from ckptd.agent.peer_link import answer_challenge, ask
 from ckptd.storage import Storage
@@ -282,11 +284,13 @@ class Replicator:
                 return False
             t0 = time.monotonic()
             sent = 0
+            digest = xxhash.xxh3_64()  # of everything sent: the receiver checks it
             for mem in parts:
                 for i in range(0, len(mem), 4 << 20):
                     if cancel is not None and cancel.is_set():
                         raise ConnectionError("its save failed: copy abandoned")
                     part = mem[i: i + (4 << 20)]
+                    digest.update(part)
                     bound(s)
                     s.sendall(part)
                     sent += len(part)
@@ -295,8 +299,11 @@ class Replicator:
                         if ahead > 0:
                             time.sleep(ahead)
             bound(s)
-            if not wire.recv(s, 4096).get("ok"):
-                raise ConnectionError(f"node {peer['node']} did not store it")
+            wire.send(s, {"xxh3": digest.hexdigest()})
+            reply = wire.recv(s, 4096)
+            if not reply.get("ok"):
+                raise ConnectionError(f"node {peer['node']} did not store it: "
+                                      f"{reply.get('error', 'no reason given')}")
             self.sent += sent
             return True
 
