@@ -286,14 +286,17 @@ class Session:
         try:
             with self.agent.writing(flight):
                 return remote.run(storage, io, job, seg.tensor, give_up, flight.gate)
-        except remote.Stopped:
+        except remote.Stopped as e:
             assert early is not None  # only a save with a copy held by a peer is stopped
+            written = e.written
         to = self.agent.peering.write_held(msg["storage"], msg["job"], early)
         if to is not None:
             return to
         log.warning("ckptd agent: rank %d step %d: no peer writes it from its copy; writing it "
-                    "here, past the grace window if it must", job.share.rank, job.share.step)
-        return remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate())
+                    "here (%d of its %d files left), past the grace window if it must",
+                    job.share.rank, job.share.step, len(job.round.plans) - len(written),
+                    len(job.round.plans))
+        return remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate(), written)
 
     def _handed(self, rid: Any, nbytes: int, to: str) -> None:
         """The save ``rid`` is written (and on rank 0 committed) by node ``to``'s agent."""

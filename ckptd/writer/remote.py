@@ -26,6 +26,7 @@ from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer import commit, retention
+from ckptd.writer.files import ChunkList, gather
 from ckptd.writer.pack import FilePlan, Slot
 from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
 from ckptd.writer.signals import Signals
@@ -40,7 +41,12 @@ class AgentLost(CkptdError):
 
 class Stopped(CkptdError):
     """The agent stopped this write between two files (:meth:`Gate.stop`): the files written so
-    far stay, nothing is recorded as failed — another writer takes the share over."""
+    far stay, nothing is recorded as failed — another writer takes the share over, or this one
+    goes on later (``written``: the chunks of each file written, by index, for :func:`run`)."""
+
+    def __init__(self, message: str, written: dict[int, ChunkList] | None = None) -> None:
+        super().__init__(message)
+        self.written = written or {}
 
 
 class Gate:
@@ -211,21 +217,31 @@ def file_ranges(job: Job) -> dict[str, tuple[int, int]]:
 
 def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
         give_up: Callable[[list[int]], str | None] | None = None,
-        gate: Gate | None = None) -> dict[str, Any]:
+        gate: Gate | None = None, written: dict[int, ChunkList] | None = None) -> dict[str, Any]:
     """Write the files, the partial, and on rank 0 commit: the in-process save's background
     half, in the agent (then :func:`owe_retention`, once the trainer is told). A failure before
     the partial is recorded for the other ranks (and the files removed); the error is
     raised. ``give_up``: the commit's (:func:`ckptd.writer.commit.coordinate`). ``gate``: passed
     before each file; if it stopped a file, :class:`Stopped` is raised once no file is being
-    written any more, with nothing recorded or removed (the files written stay)."""
+    written any more, with nothing recorded or removed (the files written stay, and its
+    ``written`` says which). ``written``: files written already (a stopped run's), not written
+    again."""
     share = job.share
     writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level, gate)
+    done = dict(written or {})
+    todo = Round([p for p in job.round.plans if p.index not in done], job.round.nbytes)
     t0 = time.perf_counter()
     try:
-        chunks = writer.write_round(share, Arena(arena), job.round, 0)
+        futures = writer.start_files(share, Arena(arena), todo, 0, stage_first=False)
+        try:
+            gather(futures)
+        finally:
+            done.update({p.index: f.result() for p, f in zip(todo.plans, futures, strict=True)
+                         if f.exception() is None})
+        chunks = [c for i in sorted(done) for c in done[i]]
         writer.write_partial(share, chunks)  # (a stop after the last file changes nothing)
-    except Stopped:
-        raise
+    except Stopped as e:
+        raise Stopped(str(e), done) from None
     except BaseException as e:
         commit.record_failure(storage, Signals(None), share.step, share.attempt, share.rank, e)
         writer.discard(share, len(job.round.plans))
