@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import logging
 import multiprocessing as mp
@@ -642,6 +643,8 @@ def test_a_peer_copy_that_arrives_damaged_is_not_kept(tmp_path, agents, monkeypa
         held = on_a.kept().files
         assert not any("step-000000098" in p for p in held)
         assert any("step-000000099" in p for p in held)
+        # the damaged copy's memory went back: one peer segment left, step 99's
+        assert len(glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{agents.node}+peer-*")) == 1
         assert "mallory's rank 0 step 98 arrived damaged" in agents.log()
     finally:
         on_a.close()

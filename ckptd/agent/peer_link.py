@@ -158,8 +158,10 @@ class PeerServer:
                     log.warning("ckptd agent: node %s's rank %s step %s arrived damaged "
                                 "(its checksum differs): dropped", header.get("origin"),
                                 header.get("rank"), header.get("step"))
+                    finish = None
+                    done(False)  # its memory goes back to the budget
                     wire.send(conn, {"ok": False, "error": "arrived damaged: checksum differs"})
-                    return  # (finish gives the memory back)
+                    return
                 finish = None
                 done(True)
                 wire.send(conn, {"ok": True})

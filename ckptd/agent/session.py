@@ -249,8 +249,9 @@ class Session:
             if isinstance(out, str):  # the peer with its copy writes it
                 self._handed(rid, nbytes, out)
                 return
-            out["warning"] = self.agent.grace_check(msg["storage"], job.share.rank,
-                                                    out["nbytes"], out["write_s"])
+            out["warning"] = self.agent.grace_check(
+                msg["storage"], job.share.rank, out["nbytes"],
+                0.0 if out.pop("resumed", False) else out["write_s"])
             out["kept"] = kept is not None
             if kept is not None:
                 kept.committed = job.share.rank == 0  # this agent committed it
@@ -296,7 +297,9 @@ class Session:
                     "here (%d of its %d files left), past the grace window if it must",
                     job.share.rank, job.share.step, len(job.round.plans) - len(written),
                     len(job.round.plans))
-        return remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate(), written)
+        out = remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate(), written)
+        out["resumed"] = True  # its write time is of the files left: no bandwidth to learn
+        return out
 
     def _handed(self, rid: Any, nbytes: int, to: str) -> None:
         """The save ``rid`` is written (and on rank 0 committed) by node ``to``'s agent."""
