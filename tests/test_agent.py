@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -903,6 +904,95 @@ def test_a_save_stopped_at_sigterm_that_no_peer_takes_over_is_written_here(
     left = re.search(r"rank 0 step 1: no peer writes it from its copy; writing it here "
                      r"\((\d+) of its 8 files left\)", log_a)
     assert left and int(left.group(1)) < 8
+
+
+class _MutePeer:
+    """A peer of the job (it knows the secret), by hand over real TCP: it takes copies and
+    answers notices, and when asked to write a copy it never answers — a peer that took the
+    request and hung, or whose answer was lost."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret, self.asked = secret, threading.Event()
+        self._done = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        import hashlib
+        import hmac
+
+        with conn, contextlib.suppress(OSError, ValueError):
+            nonce = os.urandom(32)
+            wire.send(conn, {"nonce": nonce.hex()})
+            mac = wire.recv(conn)["mac"]
+            ok = hmac.compare_digest(mac, hmac.new(self.secret, nonce, hashlib.sha256).hexdigest())
+            wire.send(conn, {"ok": ok})
+            header = wire.recv(conn, 64 << 20)
+            if header.get("op") == "write":
+                self.asked.set()
+                self._done.wait()  # silent until the test ends
+            elif "files" in header:  # a copy: taken
+                wire.send(conn, {"ok": True})
+                left = sum(header["files"].values())
+                while left:
+                    left -= len(conn.recv(min(left, 1 << 20)))
+                wire.recv(conn)  # its digest
+                wire.send(conn, {"ok": True})
+            else:
+                wire.send(conn, {"ok": True})
+
+    def close(self) -> None:
+        self._done.set()
+        self.sock.close()
+
+
+def test_a_peer_that_took_the_write_and_never_answered_is_not_doubled_here(
+        tmp_path, agents, monkeypatch):
+    """Node a stops its write and asks the peer holding the copy to write it; the peer never
+    answers. It may be writing it, so node a does not write it too (two writers of one share
+    could tear a step one of them commits): the save is the peer's or lost — the previous step
+    stays ``latest`` — never torn."""
+    from ckptd.errors import CkptdError
+    from ckptd.storage import open_storage
+
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    monkeypatch.setenv("CKPTD_GRACE_S", "3")
+    monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "1000000")
+    root = str(tmp_path / "root")
+    mute = _MutePeer(b"s3cret-of-this-job")
+    try:
+        open_storage(root).put_atomic("_agents/mute.json", json.dumps(
+            {"node": "mute", "host": "127.0.0.1", "port": mute.port}).encode())
+        with config.override(min_file_bytes=1 << 20, commit_timeout_s=3):
+            c = ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1")
+            try:
+                h = c.save_async(_eight(1))
+                wait_until(lambda: "rank 0 step 1 copied to node mute" in agents.log(), 30,
+                           "the copy to reach the mute peer")
+                os.kill(agents.pid(), signal.SIGTERM)
+                assert h.wait_safe(60) and h.handed_to == "mute"
+                with pytest.raises(CkptdError, match="no commit"):  # the peer commits nothing
+                    h.result(60)
+                assert mute.asked.is_set()
+            finally:
+                c.close()
+    finally:
+        mute.close()
+    log_a = agents.log()
+    assert "rank 0 step 1: node mute got a 'write' request and did not answer" in log_a
+    assert "it may be writing it, so no other node does" in log_a
+    assert "writing it here" not in log_a
+    assert _latest(root) is None
 
 
 def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_path, agents,

@@ -6,6 +6,8 @@ when is :mod:`ckptd.agent.peers`.
 * **Whole**: what a peer sends (a copy, a hand-off) is followed by its xxh3 digest; the
   receiver keeps it, or writes it, only if what arrived has the same (a hand-off is written
   with checksums computed here: they must be of the sender's bytes).
+* **Silence**: a peer that received a request (all of a hand-off, a write from its copy) and did
+  not answer may be acting on it (:class:`NoAnswer`): the sender then leaves the save to it.
 * **Who**: agents of one job share a secret (``$CKPTD_JOB_SECRET``, set by the launcher; there is
   no default, and without it there are no peer copies). A connection starts with a challenge: the
   receiver sends a random nonce, the sender answers ``HMAC-SHA256(secret, nonce)``; anything else
@@ -54,11 +56,26 @@ def answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
         raise ConnectionError(refused)
 
 
+class NoAnswer(ConnectionError):
+    """The peer got a request (a hand-off, a write from its copy) and its answer did not come:
+    it may be acting on it. The sender must not act too (two writers of one share could tear a
+    step the other one commits)."""
+
+
+def answer_to(sock: socket.socket, node: str, what: str) -> dict[str, Any]:
+    """The answer to a request ``sock``'s peer has received: :class:`NoAnswer` if none comes."""
+    try:
+        return wire.recv(sock, 1 << 20)
+    except (OSError, ValueError) as e:
+        raise NoAnswer(f"node {node} got {what} and did not answer ({e})") from e
+
+
 def ask(secret: bytes, peer: dict[str, Any], message: dict[str, Any],
         timeout_s: float) -> dict[str, Any] | None:
     """One message to ``peer`` (a registered agent: node, host, port) and its answer; None if
-    it cannot be reached (its node is lost); raises when it was reached and did not answer, or
-    answered not ok. ``timeout_s`` bounds the connection and each socket operation."""
+    it cannot be reached (its node is lost); raises when it was reached and did not answer
+    (:class:`NoAnswer`, once the message was sent), or answered not ok. ``timeout_s`` bounds
+    the connection and each socket operation."""
     try:
         sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=timeout_s)
     except OSError:
@@ -67,7 +84,7 @@ def ask(secret: bytes, peer: dict[str, Any], message: dict[str, Any],
         sock.settimeout(timeout_s)
         answer_challenge(sock, secret, f"node {peer['node']} refused this agent")
         wire.send(sock, message)
-        reply = wire.recv(sock, 1 << 20)
+        reply = answer_to(sock, peer["node"], f"a {message.get('op')!r} request")
     if not reply.get("ok"):
         raise ConnectionError(f"node {peer['node']}: {reply.get('error', 'no answer')}")
     return reply
@@ -251,5 +268,5 @@ class PeerReads:
             s.close()
 
 
-__all__ = ["Accept", "Answer", "Lookup", "PeerReads", "PeerServer", "answer_challenge", "ask",
-           "job_secret", "recv_into"]
+__all__ = ["Accept", "Answer", "Lookup", "NoAnswer", "PeerReads", "PeerServer",
+           "answer_challenge", "answer_to", "ask", "job_secret", "recv_into"]

@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 from ckptd.agent import handoff
 from ckptd.agent.memory import Kept, OverBudget
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peer_link import PeerServer, ask, job_secret
-from ckptd.agent.peers import NOTICE_TIMEOUT_S, Notice, Outgoing, Replicator, copy_when
+from ckptd.agent.peer_link import NoAnswer, PeerServer, ask, job_secret
+from ckptd.agent.peers import (
+    NOTICE_TIMEOUT_S,
+    Notice,
+    Outgoing,
+    Replicator,
+    copy_when,
+    said_nothing,
+)
 from ckptd.agent.shm import Segment
 from ckptd.errors import CkptdError
 from ckptd.writer import remote
@@ -183,6 +190,9 @@ class Peering:
                     return str(peer["node"])
                 log.warning("ckptd agent: node %s, which holds rank %d step %d, is lost",
                             peer["node"], copy.rank, copy.step)
+            except NoAnswer as e:
+                said_nothing(copy.rank, copy.step, e)
+                return str(peer["node"])
             except (OSError, ValueError) as e:
                 log.warning("ckptd agent: node %s does not write rank %d step %d from its "
                             "copy: %s", peer.get("node"), copy.rank, copy.step, e)

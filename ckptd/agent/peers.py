@@ -37,7 +37,7 @@ from typing import Any
 import xxhash
 
 from ckptd.agent import wire
-from ckptd.agent.peer_link import answer_challenge, ask
+from ckptd.agent.peer_link import NoAnswer, answer_challenge, answer_to, ask
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
@@ -45,6 +45,13 @@ log = logging.getLogger("ckptd.agent")
 REGISTRY = "_agents"
 RETRY_S = 60.0  # how long a copy waits for peers to announce themselves
 NOTICE_TIMEOUT_S = 10.0  # a commit notice, per peer: connecting and each socket operation
+
+
+def said_nothing(rank: int, step: int, e: NoAnswer) -> None:
+    """A peer got a save of ``rank`` and never said whether it writes it (:class:`NoAnswer`)."""
+    log.warning("ckptd agent: rank %d step %d: %s; it may be writing it, so no other node does "
+                "(two writers of one share could tear a step one of them commits)", rank, step,
+                e)
 
 
 def copy_when() -> str:
@@ -253,6 +260,9 @@ class Replicator:
                     return str(peer["node"])
                 log.warning("ckptd agent: node %s did not take rank %d step %d", peer["node"],
                             rank, step)
+            except NoAnswer as e:
+                said_nothing(rank, step, e)
+                return str(peer["node"])
             except (OSError, ValueError, KeyError) as e:
                 log.warning("ckptd agent: hand-off of rank %d step %d to node %s failed: %s",
                             rank, step, peer.get("node"), e)
@@ -300,7 +310,7 @@ class Replicator:
                             time.sleep(ahead)
             bound(s)
             wire.send(s, {"xxh3": digest.hexdigest()})
-            reply = wire.recv(s, 4096)
+            reply = answer_to(s, peer["node"], "all of it")  # from here on it may act on it
             if not reply.get("ok"):
                 raise ConnectionError(f"node {peer['node']} did not store it: "
                                       f"{reply.get('error', 'no reason given')}")
@@ -308,4 +318,4 @@ class Replicator:
             return True
 
 
-__all__ = ["Notice", "Outgoing", "Replicator", "copy_when"]
+__all__ = ["Notice", "Outgoing", "Replicator", "copy_when", "said_nothing"]
