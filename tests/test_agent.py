@@ -878,6 +878,38 @@ def test_a_save_being_written_at_sigterm_is_written_by_the_peer_that_holds_its_c
         on_b.close()
 
 
+def test_a_file_being_written_at_sigterm_is_stopped_between_two_of_its_blocks(
+        tmp_path, agents, monkeypatch):
+    """One 160 MiB tensor, so one file: the stop comes between two of its 64 MiB blocks, not
+    after it (a rank's file can be a quarter of its share: minutes at a node's share of the
+    storage's bandwidth)."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    monkeypatch.setenv("CKPTD_GRACE_S", "3")
+    root = str(tmp_path / "root")
+    b = agents.node + "-b"
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    try:
+        # the first block goes at once, the second's turn is 6.7 s later: the file takes 17 s
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "10000000")
+        state = {"w": torch.randn(40 << 20, generator=torch.Generator().manual_seed(7)),
+                 "step": 1}
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
+            h = c.save_async(state)
+            wait_until(lambda: _holds_step(root, b, 0, 1), 60, "node b to hold the copy")
+            os.kill(agents.pid(), signal.SIGTERM)
+            assert h.result(120).handed_to == b
+    finally:
+        on_b.close()
+    assert len([p for p in _data_bytes(root, 1) if p.endswith(".bin")]) == 1  # one file
+    stopped = re.search(r"rank 0 step 1: stopped with (\d+) of (\d+) bytes", agents.log())
+    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2))  # inside the file
+    dst = {"w": torch.zeros(40 << 20), "step": 0}
+    with ckptd.Checkpointer(root, rank=0, world_size=1, read_only=True) as c:
+        assert c.load(dst).step == 1
+    assert torch.equal(dst["w"], state["w"])
+
+
 def test_a_save_stopped_at_sigterm_that_no_peer_takes_over_is_written_here(
         tmp_path, agents, monkeypatch):
     """The peer that holds the copy is stopping too: it refuses, and node a writes the save

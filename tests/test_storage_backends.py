@@ -19,7 +19,7 @@ import pytest
 from fault_proxy import FaultProxy, Request
 
 from ckptd.errors import StorageError
-from ckptd.storage.base import Storage, StorageBase, extended
+from ckptd.storage.base import Storage, StorageBase, extended, gated
 from ckptd.storage.s3_storage import S3Storage
 from ckptd.storage.s3_transfer import S3Transfer
 
@@ -96,6 +96,17 @@ class TestEveryBackend:
         assert backend.read_bytes("empty.bin") == b""
         assert backend.write_file("small.bin", [b"ab", b"", b"c"]) == 3
         assert backend.read_bytes("small.bin") == b"abc"
+
+    def test_write_file_passes_every_byte_through_the_writer_s_gate(self, backend: Storage) -> None:
+        """``base.gated``: how the node agent paces a data file and stops it between blocks."""
+        data = payload(10 * PART + 12345)
+        seen: list[int] = []
+        with gated(seen.append):
+            assert backend.write_file("data/0/g.bin", [data]) == len(data)
+        assert seen and sum(seen) >= len(data)  # (S3 announces whole parts)
+        calls = len(seen)
+        assert backend.write_file("data/0/h.bin", [data]) == len(data)  # outside: not called
+        assert len(seen) == calls
 
     def test_read_ranges_returns_exactly_the_requested_bytes(self, backend: Storage) -> None:
         n = 5 * PART + 77
@@ -300,6 +311,26 @@ class TestS3:
         assert storage.url == "s3://ckptd-test/run"
         storage.put_atomic("latest", b"7")
         assert keys(s3_bucket) == ["run/latest"]
+
+    def test_a_write_its_gate_stops_between_two_parts_leaves_no_object_and_no_upload(
+        self, s3_bucket: S3Bucket
+    ) -> None:
+        class Stop(Exception):
+            pass
+
+        calls: list[int] = []
+
+        def gate(nbytes: int) -> None:
+            calls.append(nbytes)
+            if len(calls) == 3:  # two parts under way
+                raise Stop
+
+        storage = s3_bucket.storage(single_put_parts=1)
+        with gated(gate), pytest.raises(Stop):
+            storage.write_file("data/z.bin", [payload(5 * PART)])
+        assert len(calls) == 3
+        assert keys(s3_bucket) == []
+        assert uploads_in_progress(s3_bucket) == []  # aborted, not left for `ckptd gc`
 
     def test_objects_up_to_single_put_parts_are_one_put_and_larger_ones_multipart(
         self, s3_bucket: S3Bucket, proxy: FaultProxy

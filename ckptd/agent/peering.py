@@ -119,7 +119,7 @@ class Peering:
         return seg.view()[:total], finish
 
     def _write_held(self, header: dict[str, Any]) -> dict[str, Any]:
-        """A stopping peer stopped writing a save between two files because it could not finish
+        """A stopping peer stopped writing a save between two blocks because it could not finish
         inside its grace window, and this agent holds the save's staged copy: write it from the
         copy (every file, the partial, on rank 0 the commit), as a hand-off. Refused when this
         agent stops too, holds no such copy, or the job's files are not the copy's."""

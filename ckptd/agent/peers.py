@@ -17,7 +17,7 @@ that a node lost with its memory is read from a peer's memory, not from storage.
   sends that save's job and staged bytes to the next agent of the ring that is not stopping,
   which writes it (files, partial, on rank 0 the commit) as if its own trainer had staged it
   (:meth:`Replicator.hand_off`, ``docs/agent.md``). A save it was writing already, whose staged
-  copy a peer holds, it stops between two files and asks that peer to write from the copy
+  copy a peer holds, it stops between two blocks and asks that peer to write from the copy
   (:meth:`ckptd.agent.peering.Peering.write_held`: only the job travels).
 """
 

@@ -159,7 +159,7 @@ class Agent:
         """At SIGTERM: if the saves being written here cannot all be finished inside the grace
         window at this node's bandwidth, stop every one whose staged copy a peer holds
         (``CKPTD_PEER_COPY=staged``; a copy still being sent is waited for, inside the grace
-        left) between two files: its job then asks that peer to write it from the copy
+        left) between two blocks: its job then asks that peer to write it from the copy
         (:meth:`Peering.write_held`), and writes it here only if none will."""
         with self._lock:
             flights, bps = list(self._flights), self._bandwidth

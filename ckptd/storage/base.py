@@ -26,13 +26,47 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 from ckptd import config
 
 Buffer = bytes | bytearray | memoryview
+
+# The writer's gate for this thread's data-file write (:func:`gated`), if any.
+_gate = threading.local()
+
+
+@contextlib.contextmanager
+def gated(gate: Callable[[int], None] | None) -> Iterator[None]:
+    """Within: each :func:`passing` of this thread calls ``gate(nbytes)`` — how a writer (the
+    node agent's, ``ckptd.writer.remote.Gate``) paces a data file's blocks and stops between
+    two of them (what ``gate`` raises leaves ``write_file`` unfinished)."""
+    old = getattr(_gate, "gate", None)
+    _gate.gate = gate
+    try:
+        yield
+    finally:
+        _gate.gate = old
+
+
+def passing(nbytes: int) -> None:
+    """A backend's ``write_file`` calls this before it writes each block (``nbytes``) of a data
+    file: the writer's gate, if one is set for this thread (:func:`gated`)."""
+    gate = getattr(_gate, "gate", None)
+    if gate is not None:
+        gate(nbytes)
+
+
+def blocks(parts: Iterable[Buffer], size: int) -> Iterator[memoryview]:
+    """``parts`` as bytes views of at most ``size``, each announced by :func:`passing`."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for i in range(0, len(view), size):
+            block = view[i : i + size]
+            passing(len(block))
+            yield block
 
 
 @runtime_checkable

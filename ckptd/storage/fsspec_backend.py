@@ -18,8 +18,10 @@ import fsspec
 
 from ckptd import config
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, StorageBase, check_ranges, relative
+from ckptd.storage.base import Buffer, StorageBase, blocks, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
+
+_BLOCK = 64 << 20  # a data file's bytes per write() call (and per pass of the writer's gate)
 
 __all__ = ["FsspecStorage"]
 
@@ -61,9 +63,9 @@ class FsspecStorage(StorageBase):
         try:
             self._makedirs(posixpath.dirname(full))
             with self._fs.open(full, "wb") as f:
-                for part in parts:
-                    total += len(memoryview(part).cast("B"))
-                    f.write(part)
+                for block in blocks(parts, _BLOCK):
+                    total += len(block)
+                    f.write(block)
         except OSError as e:
             raise _storage_error(self._url(path), "write", e) from e
         return total

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, StorageBase
+from ckptd.storage.base import Buffer, StorageBase, blocks
 
 log = logging.getLogger("ckptd")
 
@@ -188,8 +188,8 @@ class LocalStorage(StorageBase):
         total = 0
         fd = self._open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
         try:
-            for part in parts:
-                total += self._write_all(fd, memoryview(part).cast("B"))
+            for block in blocks(parts, _DIRECT_BLOCK):
+                total += self._write_all(fd, block)
             self._fsync(fd)
         finally:
             os.close(fd)
@@ -209,9 +209,8 @@ class LocalStorage(StorageBase):
             raise
         total = 0
         try:
-            for part in parts:
-                for i in range(0, len(part), _DIRECT_BLOCK):
-                    total += self._write_all(fd, part[i : i + _DIRECT_BLOCK])
+            for block in blocks(parts, _DIRECT_BLOCK):
+                total += self._write_all(fd, block)
             self._fsync(fd)
         except OSError as e:
             if e.errno != errno.EINVAL:

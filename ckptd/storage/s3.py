@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ckptd.errors import StorageError
 from ckptd.storage import s3_read
 from ckptd.storage import s3_retry as retry
-from ckptd.storage.base import Buffer
+from ckptd.storage.base import Buffer, passing
 from ckptd.storage.s3_read import all_or_cancel
 from ckptd.storage.s3_write import (
     MAX_PARTS,
@@ -124,6 +124,7 @@ class S3Objects:
         inflight: list[concurrent.futures.Future[dict[str, Any]]] = []
         # Budget is taken before a body is filled and given back when its request ends, so all
         # threads together hold at most `concurrency` x `part_bytes` of bodies.
+        passing(first)  # the writer's gate, before each part (base.gated)
         self._bodies.acquire(first)
         held = first
         try:
@@ -147,6 +148,9 @@ class S3Objects:
                 if number > MAX_PARTS:
                     raise StorageError(f"{self.url(key)}: object exceeds {MAX_PARTS} parts")
                 size = part_size(number, self.transfer.part_bytes)
+                if chunks.at_end():
+                    break
+                passing(size)
                 self._bodies.acquire(size)
                 held = size
                 body = chunks.take(size)

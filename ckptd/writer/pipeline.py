@@ -28,6 +28,7 @@ from ckptd.manifest.frames import table_file
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
+from ckptd.storage.base import gated
 from ckptd.writer.files import ChunkList, gather, write_file
 from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
@@ -162,17 +163,17 @@ class RankWriter:
 
     def __init__(
         self, storage: Storage, io: Executor, pool: StagingPool, codec: str, level: int,
-        before_file: Callable[[int], None] | None = None,
+        gate: Callable[[int], None] | None = None,
     ) -> None:
-        """``before_file(nbytes)``: called in the I/O thread before each file is written (the
-        node agent's pace and stop, :class:`ckptd.writer.remote.Gate`); what it raises fails
-        that file."""
+        """``gate(nbytes)``: the node agent's pace and stop (:class:`ckptd.writer.remote.Gate`),
+        called in the I/O thread before each file (with 0) and before each block the storage
+        writes of it (:func:`ckptd.storage.base.gated`); what it raises fails that file."""
         self.storage = storage
         self.io = io
         self.pool = pool
         self.codec = codec
         self.level = level
-        self.before_file = before_file
+        self.gate = gate
 
     def start_files(
         self,
@@ -216,9 +217,11 @@ class RankWriter:
 
     def _write_file(self, storage: Storage, step_dir: str, rel_path: str,
                     arena: torch.Tensor | HostArray, plan: FilePlan, *args: Any) -> ChunkList:
-        if self.before_file is not None:
-            self.before_file(plan.end - plan.start)
-        return write_file(storage, step_dir, rel_path, arena, plan, *args)
+        if self.gate is None:
+            return write_file(storage, step_dir, rel_path, arena, plan, *args)
+        self.gate(0)  # stopped before it starts, whatever the backend says of its blocks
+        with gated(self.gate):
+            return write_file(storage, step_dir, rel_path, arena, plan, *args)
 
     def write_round(
         self, share: Share, arena: Arena, rnd: Round, first_index: int, codec: str | None = None

@@ -40,9 +40,10 @@ class AgentLost(CkptdError):
 
 
 class Stopped(CkptdError):
-    """The agent stopped this write between two files (:meth:`Gate.stop`): the files written so
-    far stay, nothing is recorded as failed — another writer takes the share over, or this one
-    goes on later (``written``: the chunks of each file written, by index, for :func:`run`)."""
+    """The agent stopped this write between two blocks (:meth:`Gate.stop`): the files written
+    so far stay (and the one it stopped, unfinished), nothing is recorded as failed — another
+    writer takes the share over, or this one goes on later (``written``: the chunks of each
+    file written, by index, for :func:`run`)."""
 
     def __init__(self, message: str, written: dict[int, ChunkList] | None = None) -> None:
         super().__init__(message)
@@ -50,21 +51,22 @@ class Stopped(CkptdError):
 
 
 class Gate:
-    """What the agent's I/O threads pass before each file of one write: a pace (at most
-    ``rate`` bytes/s over the write, ``$CKPTD_AGENT_WRITE_RATE``; None: no limit) and a stop
-    (:meth:`stop`: every file not started yet raises :class:`Stopped`, a pace's wait ends at
-    once; a file being written finishes)."""
+    """What the agent's I/O threads pass before each block the storage writes of one save's
+    files (64 MiB on a filesystem, a part on S3; before each file too): a pace (at most ``rate``
+    bytes/s over the write, ``$CKPTD_AGENT_WRITE_RATE``; None: no limit) and a stop
+    (:meth:`stop`: the next block of every file raises :class:`Stopped`, a pace's wait ends at
+    once; a block being written finishes, the file stays unfinished)."""
 
     def __init__(self, rate: float | None = None) -> None:
         self.rate = rate
-        self.started = 0  # bytes of the files past the gate (being written, or written)
-        self._booked = 0  # bytes of the files that came to it (the pace's schedule)
+        self.started = 0  # bytes past the gate (being written, or written)
+        self._booked = 0  # bytes that came to it (the pace's schedule)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
 
     def __call__(self, nbytes: int) -> None:
-        with self._lock:  # each file's turn comes once the files before it had theirs
+        with self._lock:  # each block's turn comes once the blocks before it had theirs
             due = self._t0 + self._booked / self.rate if self.rate else 0.0
             self._booked += nbytes
         wait = due - time.monotonic()
