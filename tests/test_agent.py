@@ -830,6 +830,24 @@ def _check_eight(root: str) -> None:
         assert torch.equal(dst[k], v) if isinstance(v, torch.Tensor) else dst[k] == v, k
 
 
+@contextlib.contextmanager
+def _staged_pair(tmp_path, agents: Agents, monkeypatch, grace_s: int, rate: int):
+    """Two nodes of a job with ``CKPTD_PEER_COPY=staged`` and ``grace_s`` of grace: node b's agent
+    serving the root (started first, writing at the disk's speed), then node a's settings —
+    its agent, started by the test's Checkpointer, writes at most ``rate`` bytes/s. Yields the
+    root and node b."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
+    monkeypatch.setenv("CKPTD_GRACE_S", str(grace_s))
+    root, b = str(tmp_path / "root"), agents.node + "-b"
+    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
+    try:
+        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", str(rate))
+        yield root, b
+    finally:
+        on_b.close()
+
+
 def _stop_mid_write(root: str, agents: Agents, stop_b_first: bool) -> ckptd.SaveResult:
     """Node a's agent writes ``_eight(1)`` (16 MiB in 8 files) at its ``CKPTD_AGENT_WRITE_RATE``
     while node b holds the save's staged copy; a is SIGTERMed with more than its grace window
@@ -852,14 +870,8 @@ def test_a_save_being_written_at_sigterm_is_written_by_the_peer_that_holds_its_c
     """``CKPTD_PEER_COPY=staged``: node b holds the save's copy while node a writes it. Node a is
     SIGTERMed with more left to write than its grace window allows: it stops between two files,
     and node b writes the whole save from its copy — only the job travels — and commits it."""
-    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
-    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
-    monkeypatch.setenv("CKPTD_GRACE_S", "5")
-    root = str(tmp_path / "root")
-    a, b = agents.node, agents.node + "-b"
-    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
-    try:
-        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "1000000")  # node a's agent only
+    a = agents.node
+    with _staged_pair(tmp_path, agents, monkeypatch, 5, 1_000_000) as (root, b):
         pid_a = agents.pid
         out = _stop_mid_write(root, agents, stop_b_first=False)
         assert out.handed_to == b
@@ -874,8 +886,6 @@ def test_a_save_being_written_at_sigterm_is_written_by_the_peer_that_holds_its_c
         log_b = open(wire.paths(b, agents.dir)["log"]).read()
         assert f"wrote node {a}'s rank 0 step 1" in log_b
         assert _holds_step(root, b, 0, 1)  # and it keeps the copy, committed, for a restart
-    finally:
-        on_b.close()
 
 
 def test_a_file_being_written_at_sigterm_is_stopped_between_two_of_its_blocks(
@@ -883,15 +893,8 @@ def test_a_file_being_written_at_sigterm_is_stopped_between_two_of_its_blocks(
     """One 160 MiB tensor, so one file: the stop comes between two of its 64 MiB blocks, not
     after it (a rank's file can be a quarter of its share: minutes at a node's share of the
     storage's bandwidth)."""
-    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
-    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
-    monkeypatch.setenv("CKPTD_GRACE_S", "3")
-    root = str(tmp_path / "root")
-    b = agents.node + "-b"
-    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
-    try:
-        # the first block goes at once, the second's turn is 6.7 s later: the file takes 17 s
-        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "10000000")
+    # the first block goes at once, the second's turn is 6.7 s later: the file takes 17 s
+    with _staged_pair(tmp_path, agents, monkeypatch, 3, 10_000_000) as (root, b):
         state = {"w": torch.randn(40 << 20, generator=torch.Generator().manual_seed(7)),
                  "step": 1}
         with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r1") as c:
@@ -899,8 +902,6 @@ def test_a_file_being_written_at_sigterm_is_stopped_between_two_of_its_blocks(
             wait_until(lambda: _holds_step(root, b, 0, 1), 60, "node b to hold the copy")
             os.kill(agents.pid(), signal.SIGTERM)
             assert h.result(120).handed_to == b
-    finally:
-        on_b.close()
     assert len([p for p in _data_bytes(root, 1) if p.endswith(".bin")]) == 1  # one file
     stopped = re.search(r"rank 0 step 1: stopped with (\d+) of (\d+) bytes", agents.log())
     assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2))  # inside the file
@@ -914,17 +915,8 @@ def test_a_save_stopped_at_sigterm_that_no_peer_takes_over_is_written_here(
         tmp_path, agents, monkeypatch):
     """The peer that holds the copy is stopping too: it refuses, and node a writes the save
     itself, past its grace window — late, perhaps, but not lost."""
-    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
-    monkeypatch.setenv("CKPTD_PEER_COPY", "staged")
-    monkeypatch.setenv("CKPTD_GRACE_S", "3")
-    root = str(tmp_path / "root")
-    b = agents.node + "-b"
-    on_b = AgentClient.connect({"url": root, "options": None}, threads=1, node=b)
-    try:
-        monkeypatch.setenv("CKPTD_AGENT_WRITE_RATE", "4000000")  # 4 s for 16 MiB > 3 s
+    with _staged_pair(tmp_path, agents, monkeypatch, 3, 4_000_000) as (root, b):  # 4 s > 3 s
         assert _stop_mid_write(root, agents, stop_b_first=True).handed_to is None
-    finally:
-        on_b.close()
     _check_eight(root)
     assert _handoff_records(root, 1) == []
     log_a = agents.log()
