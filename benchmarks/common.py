@@ -478,6 +478,22 @@ def busy_processes(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set, as it was again afterwards (the agents a benchmark
+    starts inherit it)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     old = torch.get_num_threads()
     if n:

@@ -35,13 +35,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
 import common  # noqa: E402
-from agent_procs import alive, wait_until  # noqa: E402
+from agent_procs import Agents, alive, wait_until  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.agent import wire  # noqa: E402
@@ -50,31 +49,12 @@ from ckptd.agent.client import AgentClient  # noqa: E402
 _LEFT = re.compile(r"rank 0 step \d+: stopped with (\d+) of (\d+) bytes to write")
 
 
-@contextlib.contextmanager
-def _environ(env: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _holds(spec: dict, node: str, agent_dir: str) -> bool:
     c = AgentClient.connect(spec, threads=1, start=False, node=node, directory=agent_dir)
     try:
         return any("/r00000" in p for p in c.kept().files)
     finally:
         c.close()
-
-
-def _pid(node: str, agent_dir: str) -> int:
-    with open(wire.paths(node, agent_dir)["lock"]) as f:
-        return int(f.read())
 
 
 def one_run(mode: str, state: common.State, rate: float, grace: float, base: str,
@@ -92,12 +72,13 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
                                                          memoryview(buf.numpy()), direct=True)
                              or float("nan")}
     os.remove(os.path.join(root, "floor.bin"))
+    agents = Agents(agent_dir, "a")
     on_b = None
     try:
-        with _environ(env):
+        with common.environ(env):
             if mode == "peer":  # node b's agent, at the disk's speed, serving this root
                 on_b = AgentClient.connect(spec, threads=2, node="b", directory=agent_dir)
-            with _environ({"CKPTD_NODE_ID": "a", "CKPTD_AGENT_WRITE_RATE": str(rate)}):
+            with common.environ({"CKPTD_NODE_ID": "a", "CKPTD_AGENT_WRITE_RATE": str(rate)}):
                 ckpt = ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r")
             try:
                 state.touch()
@@ -109,7 +90,7 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
                 else:
                     assert sigterm_after is not None
                     time.sleep(max(0.0, sigterm_after - (time.perf_counter() - t0)))
-                os.kill(_pid("a", agent_dir), signal.SIGTERM)
+                os.kill(agents.pid("a"), signal.SIGTERM)
                 t_sig = time.perf_counter()
                 assert h.wait_safe(600)
                 out["safe"] = time.perf_counter() - t_sig
@@ -124,7 +105,7 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
     finally:
         for node in ("a", "b"):
             with contextlib.suppress(FileNotFoundError, ValueError):
-                pid = _pid(node, agent_dir)
+                pid = agents.pid(node)
                 if alive(pid):
                     os.kill(pid, signal.SIGTERM)
                 wait_until(lambda pid=pid: not alive(pid), 120, f"node {node}'s agent to exit")

@@ -96,14 +96,13 @@ def _copies_landed(log_path: str) -> dict[tuple[int, int], float]:
 
 def _stop_agents(agent_dir: str, world: int) -> None:
     """Stop every node's agent and wait until it exited (its memory is several GiB)."""
-    from agent_procs import alive, wait_until
+    from agent_procs import Agents, alive, wait_until
 
-    from ckptd.agent import wire
     from ckptd.agent.client import AgentClient
 
+    agents = Agents(agent_dir, "n0")
     for rank in range(world):
-        with open(wire.paths(f"n{rank}", agent_dir)["lock"]) as f:
-            pid = int(f.read())
+        pid = agents.pid(f"n{rank}")
         AgentClient.connect({"url": "", "options": None}, threads=1, start=False,
                             node=f"n{rank}", directory=agent_dir).stop_agent()
         wait_until(lambda pid=pid: not alive(pid), 120, f"agent {pid} to exit")
@@ -117,27 +116,22 @@ def run_mode(mode: str, world: int, size: int, saves: int, gap_s: float, base: s
     agent_dir = tempfile.mkdtemp(prefix="ckpb")  # a socket path is at most 107 bytes
     env = {"CKPTD_AGENT_DIR": agent_dir, "CKPTD_JOB_SECRET": os.urandom(16).hex(),
            "CKPTD_PEER_COPY": mode}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # for the ``ckptd agent --stop`` calls
-    try:
-        with common.busy_processes(contend):
-            out = multirank.run(_ranks, world, root, size, saves, gap_s, env, timeout=1800)
-        logs = [wire.paths(f"n{rank}", agent_dir)["log"] for rank in range(world)]
-        deadline = time.monotonic() + 60  # the last copy may land after the ranks closed
-        while True:
-            copies = [_copies_landed(log) for log in logs]
-            if all((rank, saves) in copies[rank] for rank in range(world)) or \
-                    time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    finally:
-        _stop_agents(agent_dir, world)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(root, ignore_errors=True)
+    with common.environ(env):  # for the ``ckptd agent --stop`` calls
+        try:
+            with common.busy_processes(contend):
+                out = multirank.run(_ranks, world, root, size, saves, gap_s, env,
+                                    timeout=1800)
+            logs = [wire.paths(f"n{rank}", agent_dir)["log"] for rank in range(world)]
+            deadline = time.monotonic() + 60  # the last copy may land after the ranks closed
+            while True:
+                copies = [_copies_landed(log) for log in logs]
+                if all((rank, saves) in copies[rank] for rank in range(world)) or \
+                        time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            _stop_agents(agent_dir, world)
+            shutil.rmtree(root, ignore_errors=True)
     landed = []
     for step in range(1, saves + 1):
         per_rank = [copies[rank][(rank, step)] - out[rank][1][step] for rank in range(world)

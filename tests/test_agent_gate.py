@@ -1,5 +1,6 @@
-"""The gate an agent's I/O threads pass before each file of a save (``remote.Gate``): the rate
-limit's pace and the stop that hands a save over to the peer holding its copy."""
+"""The gate an agent's I/O threads pass before each block the storage writes of a save's files
+(``remote.Gate``; a "file" below is one such call): the rate limit's pace and the stop that
+hands a save over to the peer holding its copy."""
 
 from __future__ import annotations
 

@@ -171,17 +171,15 @@ class PeerServer:
                 finish = done  # until the bytes are in, a failure gives the memory back
                 recv_into(conn, into[:total])
                 sent = wire.recv(conn, 4096).get("xxh3")  # the sender's digest of what it sent
-                if sent != xxhash.xxh3_64_hexdigest(into[:total]):
+                whole = sent == xxhash.xxh3_64_hexdigest(into[:total])
+                if not whole:
                     log.warning("ckptd agent: node %s's rank %s step %s arrived damaged "
                                 "(its checksum differs): dropped", header.get("origin"),
                                 header.get("rank"), header.get("step"))
-                    finish = None
-                    done(False)  # its memory goes back to the budget
-                    wire.send(conn, {"ok": False, "error": "arrived damaged: checksum differs"})
-                    return
                 finish = None
-                done(True)
-                wire.send(conn, {"ok": True})
+                done(whole)  # kept (or written), or its memory goes back to the budget
+                wire.send(conn, {"ok": True} if whole else
+                          {"ok": False, "error": "arrived damaged: checksum differs"})
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("ckptd agent: a peer copy from %s failed: %s", addr, e)
                 if finish is not None:

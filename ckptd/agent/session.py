@@ -220,7 +220,6 @@ class Session:
         what = f"rank {share.get('rank')} step {share.get('step')}"
         claimed = 0
         try:
-            assert self._io is not None, "hello first"
             seg = self.segments[seg_id]
             job = remote.decode(msg["job"], seg.tensor)
             nbytes = job.round.nbytes
