@@ -2,6 +2,11 @@
 a compute loop that stands for training, and fsync helpers.
 
 Nothing here imports ckptd, so the floors measure the machine, not the library.
+
+The benchmarks measure the in-process save path unless they ask for the node agent (``agent.py``,
+``peer_copy.py`` and ``handover.py`` do, and ``CKPTD_AGENT=1`` in the environment makes every
+other one measure it too): importing this module sets ``CKPTD_AGENT=0`` when it is unset, so that
+no benchmark leaves an agent, with the newest step it kept in memory, behind it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+os.environ.setdefault("CKPTD_AGENT", "0")
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 # ----------------------------------------------------------------------------- sizes & stats

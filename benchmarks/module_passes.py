@@ -1,6 +1,8 @@
 """Which ckptd modules a save_async(...).result() and a load(...) pass through (every thread),
 and how often the path returns to a module it had already left: a measure of how scattered
-the save and load paths are (issue 11). Consecutive calls inside one module count once.
+the save and load paths are (issue 11). Consecutive calls inside one module count once. The
+in-process save path (``agent=False``): with the node agent the save's writing happens in
+another process, which this cannot trace.
 
     python benchmarks/module_passes.py          # by module
     PKG=1 python benchmarks/module_passes.py    # by package
@@ -68,15 +70,15 @@ def report(what: str, result: tuple[list[str], int, int]) -> None:
 def main() -> None:
     threading.setprofile(_profile)  # threads started from now on (the I/O pool included)
     sys.setprofile(_profile)
-    root = tempfile.mkdtemp()
-    state = {"model": {"w": torch.randn(256, 256)}, "step": 1}
-    ck = ckptd.Checkpointer(root, keep_last=0)
-    ck.save(state, step=0)  # warm: imports, arenas
-    report("save", trace(lambda: ck.save_async(state, step=1).result()))
-    dst = {"model": {"w": torch.zeros(256, 256)}, "step": 0}
-    ck.load(dst)
-    report("load", trace(lambda: ck.load(dst)))
-    ck.close()
+    with tempfile.TemporaryDirectory() as root:
+        state = {"model": {"w": torch.randn(256, 256)}, "step": 1}
+        ck = ckptd.Checkpointer(root, keep_last=0, agent=False)  # the in-process path
+        ck.save(state, step=0)  # warm: imports, arenas
+        report("save", trace(lambda: ck.save_async(state, step=1).result()))
+        dst = {"model": {"w": torch.zeros(256, 256)}, "step": 0}
+        ck.load(dst)
+        report("load", trace(lambda: ck.load(dst)))
+        ck.close()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class Checkpointer:
         read_only: bool = False, agent: bool | None = None,
     ) -> None:
         """``agent``: hand each staged save to this node's agent (``docs/agent.md``), started
-        if none runs; None: when ``$CKPTD_AGENT`` is 1. Without one (or with ``storage=``, an
+        if none runs; None (the default): ``$CKPTD_AGENT`` (1 or 0), and when that is unset,
+        on Linux. With ``agent=False``, with no agent to be had, or with ``storage=`` (an
         object another process cannot open) saves run in this process."""
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.storage = storage if storage is not None else open_storage(root, storage_options)

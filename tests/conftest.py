@@ -23,6 +23,12 @@ from typing import Any
 import pytest
 from agent_procs import Agents, serve_agents
 
+# A writer uses this node's agent by default (docs/agent.md). The suite tests the in-process
+# path, which every save falls back to, unless a test asks for the agent (``agent=True``, or
+# ``CKPTD_AGENT=1`` for the processes it starts, inside the ``agents`` fixture's directory):
+# no test may start an agent in the user's own agent directory, nor leave one running.
+os.environ["CKPTD_AGENT"] = "0"
+
 # Small enough that the suite's objects span many parts and ranged GETs; moto's minimum matches.
 TEST_PART_BYTES = 64 << 10
 _MOTO_MAIN = """

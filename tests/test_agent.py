@@ -56,9 +56,10 @@ def _latest(root: str) -> int | None:
 
 
 # ----------------------------------------------------------------------------- kill the trainers
-def _trainer(root: str, rank: int, run: str, steps: list[int], conn) -> None:
+def _trainer(root: str, rank: int, run: str, steps: list[int], agent: bool | None,
+             conn) -> None:
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
-    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id=run, agent=True, keep_last=0)
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id=run, agent=agent, keep_last=0)
     assert c._saver is not None and c._saver.offload is not None, "no agent"
     for i, step in enumerate(steps):
         h = c.save_async(_state(step, rank), step=step)
@@ -68,29 +69,37 @@ def _trainer(root: str, rank: int, run: str, steps: list[int], conn) -> None:
     conn.recv()  # killed here
 
 
+def _kill_after_save(root: str, run: str, steps: list[int], agent: bool | None,
+                     delay_s: float) -> None:
+    """Two trainers of ``run`` save ``steps`` (each but the last committed); both are SIGKILLed
+    ``delay_s`` after their last ``save_async`` returned."""
+    ctx = mp.get_context("fork")
+    procs, conns = [], []
+    for rank in range(2):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_trainer, args=(root, rank, run, steps, agent, child))
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+    for c in conns:  # both save_async calls returned
+        assert c.poll(120), "a trainer did not reach its last save"
+        assert c.recv() == "returned"
+    time.sleep(delay_s)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.join()
+        assert p.exitcode == -signal.SIGKILL
+
+
 def _kill_loop(root: str, agents: Agents, points: int, seed: int) -> None:
     rng = random.Random(seed)
-    ctx = mp.get_context("fork")
     step = 0
     pids: set[int] = set()
     for i in range(points):
         steps = list(range(step + 1, step + 1 + rng.randint(1, 3)))
-        procs, conns = [], []
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_trainer, args=(root, rank, f"job{i}", steps, child))
-            p.start()
-            procs.append(p)
-            conns.append(parent)
-        for c in conns:  # both save_async calls returned
-            assert c.poll(120), "a trainer did not reach its last save"
-            assert c.recv() == "returned"
-        time.sleep(rng.uniform(0, 0.02))  # the kill point: 0-20 ms after save_async returned
-        for p in procs:
-            os.kill(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.join()
-            assert p.exitcode == -signal.SIGKILL
+        # the kill point: 0-20 ms after save_async returned
+        _kill_after_save(root, f"job{i}", steps, True, rng.uniform(0, 0.02))
         pids.add(agents.pid())
         # the agent commits the staged step without its trainers
         wait_until(lambda s=steps[-1]: _latest(root) == s, 60, f"step {steps[-1]} to commit")
@@ -237,11 +246,23 @@ def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
         assert client.alive  # a bad request fails that request, not the agent
 
 
-def test_no_agent_unless_asked(tmp_path, agents, monkeypatch):
-    monkeypatch.delenv("CKPTD_AGENT", raising=False)
-    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1) as c:
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="on by default on Linux")
+def test_a_writer_uses_the_node_agent_by_default(tmp_path, agents, monkeypatch):
+    """No ``agent=``, no ``$CKPTD_AGENT``: the save outlives its trainers, which only the agent
+    can do; ``CKPTD_AGENT=0`` saves in process; any other value is refused, naming itself."""
+    monkeypatch.delenv("CKPTD_AGENT")
+    root = str(tmp_path / "r")
+    _kill_after_save(root, "job", [1, 2], None, 0.0)
+    wait_until(lambda: _latest(root) == 2, 60, "step 2 to commit")
+    got, dst = _load(root)
+    assert got == 2 and torch.equal(dst["model"]["w"], _expected(2))
+    assert alive(agents.pid())
+    monkeypatch.setenv("CKPTD_AGENT", "0")
+    with ckptd.Checkpointer(root, rank=0, world_size=1) as c:
         assert c._saver is not None and c._saver.offload is None
-    assert not os.path.exists(agents.paths["sock"])
+    monkeypatch.setenv("CKPTD_AGENT", "maybe")
+    with pytest.raises(ckptd.CkptdError, match="CKPTD_AGENT='maybe'"):
+        ckptd.Checkpointer(root, rank=0, world_size=1)
 
 
 def test_a_second_agent_defers_to_the_first_and_an_idle_agent_exits(agents):

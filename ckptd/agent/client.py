@@ -276,13 +276,27 @@ class AgentClient:
                 f.set_exception(self._lost)
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
     """Whether a writing Checkpointer of ``root`` uses a node agent: ``wanted`` (None:
-    ``$CKPTD_AGENT`` is 1), and a root the agent can open itself (no storage object, no
-    ``memory://``)."""
+    ``$CKPTD_AGENT``, and when that is unset, yes on Linux — the agent checks its clients'
+    credentials with ``SO_PEERCRED``), and a root the agent can open itself (no storage
+    object, no ``memory://``)."""
     if wanted is None:
-        wanted = os.environ.get("CKPTD_AGENT", "").lower() in ("1", "true", "yes")
+        wanted = default_on()
     return wanted and own_storage and not root.startswith("memory://")
+
+
+def default_on() -> bool:
+    """``$CKPTD_AGENT`` (1/true/yes/on, 0/false/no/off); unset: whether this is Linux."""
+    value = os.environ.get("CKPTD_AGENT", "").strip().lower()
+    if not value:
+        return sys.platform.startswith("linux")
+    if value not in _ON + _OFF:
+        raise CkptdError(f"CKPTD_AGENT={value!r}: use 1 (a node agent) or 0 (save in process)")
+    return value in _ON
 
 
 def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
@@ -290,8 +304,8 @@ def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] 
                 rank: int) -> AgentClient | None:
     """This node's agent for a writing Checkpointer of ``root`` (started if none runs), once an
     earlier incarnation's saves in it are done (``incarnation``: ``SaveOptions.incarnation``,
-    the agent's name for a run); None without one: not ``wanted`` (None: ``$CKPTD_AGENT``
-    is 1), a storage object or ``memory://`` root the agent could not open (not
+    the agent's name for a run); None without one: not ``wanted`` (:func:`agent_wanted`), a
+    storage object or ``memory://`` root the agent could not open (not
     ``own_storage``), or none to be had (with a warning)."""
     if not agent_wanted(wanted, root, own_storage=own_storage):
         return None
