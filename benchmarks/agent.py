@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     loads: list[tuple[str, list[dict[str, float]]]] = []
     restarts: list[tuple[str, dict[str, float]]] = []
-    with tempfile.TemporaryDirectory(prefix="ckptd-agent-", dir=args.dir or
-                                     common.default_dir()) as root:
+    with common.scratch(args.dir) as base, \
+            tempfile.TemporaryDirectory(prefix="ckptd-agent-", dir=base) as root:
         agent_dir = tempfile.mkdtemp(prefix="ckab")
         os.environ.update(CKPTD_AGENT_DIR=agent_dir, CKPTD_NODE_ID="bench")
         try:

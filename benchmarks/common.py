@@ -140,14 +140,11 @@ def drop_caches() -> bool:
 
 
 def default_dir() -> str:
-    """A fresh directory on the candidate filesystem with the most free space
-    ($CKPTD_BENCH_DIR, /work, the temp dir, the current directory) — not tmpfs."""
-    candidates = [
-        os.environ.get("CKPTD_BENCH_DIR", ""),
-        "/work",
-        tempfile.gettempdir(),
-        os.getcwd(),
-    ]
+    """A fresh directory in $CKPTD_BENCH_DIR, or else on the candidate filesystem with the most
+    free space (/work, the temp dir, the current directory) — not tmpfs."""
+    if os.environ.get("CKPTD_BENCH_DIR"):
+        return tempfile.mkdtemp(prefix="ckptd-bench-", dir=os.environ["CKPTD_BENCH_DIR"])
+    candidates = ["/work", tempfile.gettempdir(), os.getcwd()]
     best, best_free = None, -1
     for c in candidates:
         if not c or not os.path.isdir(c) or not os.access(c, os.W_OK):
@@ -158,6 +155,22 @@ def default_dir() -> str:
         if free > best_free:
             best, best_free = c, free
     return tempfile.mkdtemp(prefix="ckptd-bench-", dir=best or tempfile.gettempdir())
+
+
+@contextlib.contextmanager
+def scratch(given: str | None) -> Iterator[str]:
+    """``given`` (created if missing, left as it is afterwards), or a fresh :func:`default_dir`
+    removed with everything in it afterwards — also when the benchmark fails or is
+    interrupted, so that no run leaves gigabytes behind on the disk it measured."""
+    if given:
+        os.makedirs(given, exist_ok=True)
+        yield given
+        return
+    path = default_dir()
+    try:
+        yield path
+    finally:
+        remove(path)
 
 
 def _fs_type(path: str) -> str:

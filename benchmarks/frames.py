@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import build_state, default_dir, fmt_bytes, parse_size  # noqa: E402
+from common import build_state, fmt_bytes, parse_size, scratch  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd import config  # noqa: E402
@@ -43,23 +43,24 @@ def main() -> None:
     states = [build_state(args.size, r, args.ranks).ckptd_tree() for r in range(args.ranks)]
     print(f"{fmt_bytes(args.size)} saved by {args.ranks} ranks\n")
     print("| frames | chunks | frame entries | manifest.json |\n|---|---:|---:|---:|")
-    for name, knobs in SETTINGS.items():
-        root = tempfile.mkdtemp(prefix="ckptd-frames-", dir=args.dir or default_dir())
-        try:
-            with config.override(**knobs):
-                ckpts = [ckptd.Checkpointer(root, rank=r, world_size=args.ranks, run_id="frames")
-                         for r in range(args.ranks)]
-                for h in [c.save_async(s, step=1) for c, s in zip(ckpts, states, strict=True)]:
-                    h.result()
-                manifest = ckpts[0].read_manifest(1)
-                for c in ckpts:
-                    c.close()
-            chunks = [ch for t in manifest.tensors.values() for ch in t.chunks]
-            size = os.path.getsize(os.path.join(root, L.step_dir(1), L.MANIFEST))
-            frames = sum(len(ch.frames) for ch in chunks)
-            print(f"| {name} | {len(chunks)} | {frames} | {size / 1e3:.0f} kB |")
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+    with scratch(args.dir) as base:
+        for name, knobs in SETTINGS.items():
+            root = tempfile.mkdtemp(prefix="ckptd-frames-", dir=base)
+            try:
+                with config.override(**knobs):
+                    ckpts = [ckptd.Checkpointer(root, rank=r, world_size=args.ranks,
+                                                run_id="frames") for r in range(args.ranks)]
+                    for h in [c.save_async(s, step=1) for c, s in zip(ckpts, states, strict=True)]:
+                        h.result()
+                    manifest = ckpts[0].read_manifest(1)
+                    for c in ckpts:
+                        c.close()
+                chunks = [ch for t in manifest.tensors.values() for ch in t.chunks]
+                size = os.path.getsize(os.path.join(root, L.step_dir(1), L.MANIFEST))
+                frames = sum(ch.n_frames for ch in chunks)
+                print(f"| {name} | {len(chunks)} | {frames} | {size / 1e3:.0f} kB |")
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -116,17 +117,9 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="1GiB")
-    ap.add_argument("--rate", default="100MB", help="node a's write rate, per second")
-    ap.add_argument("--grace", type=float, default=2.0)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--contend", type=int, default=0, help="busy processes meanwhile")
-    ap.add_argument("--dir", default=None)
-    args = ap.parse_args(argv)
-    size, rate = common.parse_size(args.size), float(common.parse_size(args.rate))
-    base = args.dir or common.default_dir()
+def _runs(args: argparse.Namespace, size: int, rate: float,
+          base: str) -> dict[str, list[dict[str, float]]]:
+    """``args.runs`` paired runs of both modes in ``base``."""
     print(common.machine_info(base))
     print(f"state {common.fmt_bytes(size)}, one rank on node a; node a writes at most "
           f"{common.fmt_bytes(rate)}/s; {args.grace:g} s of grace; {args.runs} runs; "
@@ -138,6 +131,21 @@ def main(argv: list[str] | None = None) -> None:
             runs["peer"].append(one_run("peer", state, rate, args.grace, base, None))
             runs["self"].append(one_run("self", state, rate, args.grace, base,
                                         runs["peer"][-1]["landed"]))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--rate", default="100MB", help="node a's write rate, per second")
+    ap.add_argument("--grace", type=float, default=2.0)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--contend", type=int, default=0, help="busy processes meanwhile")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    size, rate = common.parse_size(args.size), float(common.parse_size(args.rate))
+    with common.scratch(args.dir) as base:
+        runs = _runs(args, size, rate, base)
     print("| mode | handed over | copy landed | SIGTERM → safe | SIGTERM → committed "
           "| left at the stop | write floor (whole state) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             return statistics.median(r.get(key, float("nan")) for r in rows)
 
         landed = f"{med('landed'):.2f} s" if mode == "peer" else "—"
-        left = common.fmt_bytes(med("left")) if mode == "peer" else "—"
+        left = common.fmt_bytes(med("left")) if not math.isnan(med("left")) else "—"
         handed = f"{sum(r['handed'] for r in rows):.0f} of {len(rows)}"
         print(f"| {mode} | {handed} | {landed} | {med('safe'):.2f} s | "
               f"{med('committed'):.2f} s | {left} | {med('floor'):.2f} s |", flush=True)

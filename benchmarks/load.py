@@ -294,27 +294,29 @@ def gap_table(path: str, piece: int = 256 << 10) -> list[dict[str, Any]]:
 
 def unit_table(root: str, threads: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
     """ckptd's reader (ranged reads + checksums) over one rank's files, cold, by read unit."""
+    import ckptd
     from ckptd import config
-    from ckptd.manifest import decode
-    from ckptd.reshard.plan import coalesce, itemsize_of
-    from ckptd.reshard.reader import Buffers, run_ranges
+    from ckptd.reshard.plan import coalesce
+    from ckptd.reshard.reader import Buffers, StepFiles, run_ranges
     from ckptd.reshard.verify import whole_chunk_reads
-    from ckptd.storage import open_storage
 
-    storage = open_storage(root)
-    m = decode(storage.read_bytes("step-000000001/manifest.json"), root)
+    with ckptd.Checkpointer(root, read_only=True) as ck:
+        storage, m = ck.storage, ck.read_manifest(1)
+    itemsize = {n: e.itemsize for n, e in m.tensors.items()}
+    mine = m.with_frames([(n, c) for n, e in m.tensors.items() for c in e.chunks if c.rank == 0])
+    names = [n for n, e in m.tensors.items() for c in e.chunks if c.rank == 0]
     rows = []
     for unit in (1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20):
-        reads = [r for n, e in m.tensors.items() for c in e.chunks if c.rank == 0
-                 for r in whole_chunk_reads(n, c, itemsize_of(e.dtype), unit)]
+        reads = [r for n, c in zip(names, mine, strict=True)
+                 for r in whole_chunk_reads(n, c, itemsize[n], unit)]
         ranges = coalesce(reads, 256 << 10, unit)
         nbytes = sum(r.length for r in ranges)
         for t in threads:
             drop_caches()
-            with ThreadPoolExecutor(t) as pool:
+            with ThreadPoolExecutor(t) as pool, \
+                    StepFiles(storage, "step-000000001", {r.file for r in ranges}) as files:
                 t0 = time.perf_counter()
-                run_ranges(storage, "step-000000001", ranges, pool,
-                           Buffers(config.get().load_budget_bytes, unit))
+                run_ranges(files, ranges, pool, Buffers(config.get().load_budget_bytes, unit))
                 dt = time.perf_counter() - t0
             rows.append({"unit": unit, "threads": t, "GBps": nbytes / dt / 1e9})
     return rows

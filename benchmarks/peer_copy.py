@@ -151,18 +151,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     size = common.parse_size(args.size)
-    base = args.dir or common.default_dir()
-    print(common.machine_info(base))
-    print(f"state {common.fmt_bytes(size)} over {args.world} ranks, one per node; "
-          f"{args.saves} saves {args.gap:g} s apart; {args.contend} busy processes\n")
-    print("| CKPTD_PEER_COPY | stall | durable | write floor | durable / floor | copy landed "
-          "| landed − durable |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode in ("committed", "staged"):
-        f = run_mode(mode, args.world, size, args.saves, args.gap, base, args.contend)
-        print(f"| {mode} | {f['stall'] * 1e3:.0f} ms | {f['durable']:.2f} s | "
-              f"{f['write']:.2f} s | {f['durable'] / f['write']:.2f}× | {f['landed']:.2f} s | "
-              f"{f['landed'] - f['durable']:+.2f} s |", flush=True)
+    with common.scratch(args.dir) as base:
+        print(common.machine_info(base))
+        print(f"state {common.fmt_bytes(size)} over {args.world} ranks, one per node; "
+              f"{args.saves} saves {args.gap:g} s apart; {args.contend} busy processes\n")
+        print("| CKPTD_PEER_COPY | stall | durable | write floor | durable / floor | copy landed "
+              "| landed − durable |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for mode in ("committed", "staged"):
+            f = run_mode(mode, args.world, size, args.saves, args.gap, base, args.contend)
+            print(f"| {mode} | {f['stall'] * 1e3:.0f} ms | {f['durable']:.2f} s | "
+                  f"{f['write']:.2f} s | {f['durable'] / f['write']:.2f}× | {f['landed']:.2f} s | "
+                  f"{f['landed'] - f['durable']:+.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

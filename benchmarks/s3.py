@@ -151,7 +151,8 @@ def contestants(endpoint: str, state: dict[str, Any], data: bytes) -> list[Conte
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     import ckptd
-    from ckptd.storage.fsspec_backend import FsspecStorage, S3Transfer
+    from ckptd.storage.s3_storage import S3Storage
+    from ckptd.storage.s3_transfer import S3Transfer
 
     options: dict[str, Any] = {
         "key": "testing",
@@ -194,7 +195,7 @@ def contestants(endpoint: str, state: dict[str, Any], data: bytes) -> list[Conte
             if read_part_bytes is not None:  # the variant: only the GET size differs
                 transfer = dataclasses.replace(S3Transfer.from_env(),
                                                read_part_bytes=read_part_bytes)
-                storage = FsspecStorage(f"s3://{BUCKET}/{root}", options, transfer=transfer)
+                storage = S3Storage(f"s3://{BUCKET}/{root}", options, transfer=transfer)
             ck = ckptd.Checkpointer(f"s3://{BUCKET}/{root}", storage_options=options,
                                     storage=storage, keep_last=0)
 

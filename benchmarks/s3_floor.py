@@ -1,11 +1,11 @@
-"""S3 throughput floor on a local moto server: boto3 and s3fs vs ckptd's FsspecStorage.
+"""S3 throughput floor on a local moto server: boto3 and s3fs vs ckptd's S3Storage.
 
     python benchmarks/s3_floor.py [--mib 256] [--repeat 3] [--sweep]
 
 Starts ``moto.server`` in a subprocess on 127.0.0.1 (port 0), moves one object of ``--mib`` MiB
 up and down with each client, and prints the median MB/s of ``--repeat`` rounds (each round runs
 every client once; the write through ckptd is fed as 4 MiB buffers, the read is one range).
-``--sweep`` also varies FsspecStorage's part size and concurrency. The moto server is a single
+``--sweep`` also varies S3Storage's part size and concurrency. The moto server is a single
 Python process, so these figures measure the clients against *its* ceiling, not against S3.
 """
 
@@ -60,7 +60,8 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
     import s3fs
     from boto3.s3.transfer import TransferConfig
 
-    from ckptd.storage.fsspec_backend import FsspecStorage, S3Transfer
+    from ckptd.storage.s3_storage import S3Storage
+    from ckptd.storage.s3_transfer import S3Transfer
 
     creds: dict[str, Any] = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds)
@@ -99,21 +100,21 @@ def run(endpoint: str, n: int, repeat: int, sweep: bool) -> None:
     if sweep:
         configs += [(8, 16), (32, 16), (64, 8), (16, 4), (16, 8), (16, 32)]
 
-    def ckptd_ops(storage: FsspecStorage) -> tuple[Put, Get]:
+    def ckptd_ops(storage: S3Storage) -> tuple[Put, Get]:
         def put(key: str) -> int:
             return storage.write_file(key, (view[i : i + (4 << 20)] for i in range(0, n, 4 << 20)))
 
         return put, lambda key: storage.read_ranges(key, [(0, n)])[0]
 
     for part_mib, conc in configs:
-        storage = FsspecStorage(
+        storage = S3Storage(
             f"s3://{BUCKET}", options,
             # the sweep's part size is both the upload part and the ranged-GET unit
             transfer=S3Transfer(part_bytes=part_mib << 20, read_part_bytes=part_mib << 20,
                                 concurrency=conc),
         )
         label = "one request" if conc == 1 else f"{part_mib} MiB x {conc}"
-        clients.append((f"ckptd FsspecStorage ({label})", *ckptd_ops(storage)))
+        clients.append((f"ckptd S3Storage ({label})", *ckptd_ops(storage)))
 
     reset()
     # Rounds interleave the clients, so that load drifting on a shared machine hits all alike.
