@@ -12,7 +12,8 @@ import torch
 
 import ckptd
 from ckptd.manifest import layout as L
-from ckptd.manifest.schema import encode_doc, whole_doc
+from ckptd.manifest.parse import whole_doc
+from ckptd.manifest.schema import encode_doc
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def test_replicated_pieces_are_written_once_spread_across_replicas(tmp_path):
 def test_a_partial_lists_what_its_rank_wrote_and_names_only_what_a_replica_wrote(tmp_path):
     """Partials grow with a rank's writes, not with the state: the coordinator's merge then
     costs chunks, not ranks x tensors. Every tensor held is still checked to be written."""
-    from ckptd.manifest.schema import decode
+    from ckptd.manifest.parse import decode
 
     cs = _sim(str(tmp_path), 4)
     state = {f"t{i}": torch.full((1000,), float(i)) for i in range(16)}
@@ -130,7 +130,7 @@ def test_a_partial_lists_what_its_rank_wrote_and_names_only_what_a_replica_wrote
 def test_a_tensor_held_by_a_rank_but_written_by_none_is_not_committed(tmp_path):
     """Rank 1's partial is rewritten to hold a tensor that no partial wrote: the commit that
     ckptd finalize attempts from those partials refuses it, naming tensor and rank."""
-    from ckptd.manifest.schema import decode
+    from ckptd.manifest.parse import decode
     from ckptd.writer import commit
 
     cs = _sim(str(tmp_path), 2)

@@ -21,7 +21,8 @@ from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
 from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.manifest.envelope import seal
-from ckptd.manifest.schema import decode, encode_doc, whole_doc
+from ckptd.manifest.parse import decode, whole_doc
+from ckptd.manifest.schema import encode_doc
 from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalStorage
 

@@ -22,7 +22,7 @@ _EXPORTS = {
     "FrameTable": "ckptd.manifest.frames",
     "Manifest": "ckptd.manifest.schema",
     "TensorEntry": "ckptd.manifest.schema",
-    "decode": "ckptd.manifest.schema",
+    "decode": "ckptd.manifest.parse",
     "dtype_from_name": "ckptd.manifest.schema",
     "dtype_name": "ckptd.manifest.schema",
     "find_hole": "ckptd.manifest.merge",
@@ -63,12 +63,12 @@ if TYPE_CHECKING:
     from ckptd.manifest.envelope import VERSION
     from ckptd.manifest.frames import Frame, FrameRef, FrameTable
     from ckptd.manifest.merge import find_hole, merge
+    from ckptd.manifest.parse import decode
     from ckptd.manifest.schema import (
         CHECKSUM,
         Chunk,
         Manifest,
         TensorEntry,
-        decode,
         dtype_from_name,
         dtype_name,
     )

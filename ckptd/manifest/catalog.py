@@ -83,7 +83,7 @@ def read_raw(storage: Storage, step: int) -> bytes:
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
     from ckptd.manifest.frames import FrameSource
-    from ckptd.manifest.schema import decode  # the tensors: only what loads them needs it
+    from ckptd.manifest.parse import decode  # the tensors: only what loads them needs it
 
     raw = read_raw(storage, step)
     return decode(raw, f"{storage.url}/{layout.manifest_path(step)}",
