@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer, StorageBase, blocks
+from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")
 
@@ -129,14 +130,14 @@ class LocalStorage(StorageBase):
             try:
                 os.makedirs(self.root, exist_ok=True)
             except OSError as e:
-                raise _storage_error(e, self.root) from e
-        fd = _open(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+                raise storage_error(e, self.root) from e
+        fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
         try:
             for i, name in enumerate(parts):
                 where = os.path.join(self.root, *parts[: i + 1])
                 flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
                 try:
-                    nxt = _open(name, flags, fd, where, False)
+                    nxt = open_at(name, flags, fd, where, False)
                 except FileNotFoundError:
                     if not create:
                         raise
@@ -145,8 +146,8 @@ class LocalStorage(StorageBase):
                     except FileExistsError:
                         pass
                     except OSError as e:
-                        raise _storage_error(e, where) from e
-                    nxt = _open(name, flags, fd, where, False)
+                        raise storage_error(e, where) from e
+                    nxt = open_at(name, flags, fd, where, False)
                 os.close(fd)
                 fd = nxt
         except BaseException:
@@ -161,7 +162,7 @@ class LocalStorage(StorageBase):
         try:
             dfd = self._dir_fd(parts[:-1], create_dirs)
             try:
-                return _open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, dfd,
+                return open_at(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, dfd,
                              self._abs(path), check_regular=True)
             finally:
                 os.close(dfd)
@@ -182,7 +183,7 @@ class LocalStorage(StorageBase):
         except StorageError:
             raise
         except OSError as e:
-            raise _storage_error(e, full) from e
+            raise storage_error(e, full) from e
 
     def _write_buffered(self, path: str, parts: Iterable[Buffer]) -> int:
         total = 0
@@ -232,7 +233,7 @@ class LocalStorage(StorageBase):
         dfd = self._dir_fd(parts[:-1], create=True)
         tmp = f"{parts[-1]}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, dfd, full)
+            fd = open_at(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, dfd, full)
             try:
                 self._write_all(fd, memoryview(data))
                 self._fsync(fd)
@@ -245,7 +246,7 @@ class LocalStorage(StorageBase):
                 os.unlink(tmp, dir_fd=dfd)
             except OSError:
                 pass
-            raise e if isinstance(e, StorageError) else _storage_error(e, full) from e
+            raise e if isinstance(e, StorageError) else storage_error(e, full) from e
         finally:
             os.close(dfd)
 
@@ -255,7 +256,7 @@ class LocalStorage(StorageBase):
         try:
             self._write_all(fd, memoryview(text.encode()))
         except OSError as e:
-            raise _storage_error(e, self._abs(path)) from e
+            raise storage_error(e, self._abs(path)) from e
         finally:
             os.close(fd)
 
@@ -265,7 +266,7 @@ class LocalStorage(StorageBase):
         try:
             size = os.fstat(fd).st_size
             out = bytearray(size)
-            _pread_all(fd, memoryview(out), 0, self._abs(path))
+            pread_all(fd, memoryview(out), 0, self._abs(path))
             return bytes(out)
         finally:
             os.close(fd)
@@ -276,7 +277,7 @@ class LocalStorage(StorageBase):
             out = []
             for offset, length in ranges:
                 data = bytearray(length)
-                _pread_all(fd, memoryview(data), offset, self._abs(path))
+                pread_all(fd, memoryview(data), offset, self._abs(path))
                 out.append(data)
             return out
         finally:
@@ -309,7 +310,7 @@ class LocalStorage(StorageBase):
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as e:
-            raise _storage_error(e, self._abs(path)) from e
+            raise storage_error(e, self._abs(path)) from e
         finally:
             os.close(dfd)
 
@@ -346,13 +347,13 @@ class LocalStorage(StorageBase):
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 # fd-based and link-safe: never descends through a link
-                _rmtree_at(dfd, name)
+                rmtree_at(dfd, name)
             else:  # a file, or a link (removed itself, never its target)
                 os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise _storage_error(e, self._abs(path)) from e
+            raise storage_error(e, self._abs(path)) from e
         finally:
             os.close(dfd)
 
@@ -381,7 +382,7 @@ class LocalReadSession:
         if fd is None:  # not opened up front: open it now
             fd = self.storage._open_file(path, os.O_RDONLY)
             self._fds[path] = fd
-        _pread_all(fd, buf, offset, self.storage._abs(path))
+        pread_all(fd, buf, offset, self.storage._abs(path))
 
     def read(self, path: str, offset: int, length: int) -> bytearray:
         out = bytearray(length)
@@ -398,90 +399,3 @@ class LocalReadSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _open(
-    name: str,
-    flags: int,
-    dir_fd: int | None,
-    where: str,
-    check_regular: bool = False,
-    *,
-    root: bool = False,
-) -> int:
-    """``os.open`` with ckptd's errors: a link inside the root, a non-regular file, any other
-    OSError as :class:`StorageError` naming ``where``; FileNotFoundError stays itself (the
-    storage contract's "absent")."""
-    try:
-        fd = os.open(name, flags | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except ValueError as e:  # a NUL byte in the name
-        raise StorageError(f"{where!r}: not a valid file name ({e})") from e
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and not root and flags & os.O_NOFOLLOW:
-            try:
-                is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-            except OSError:
-                is_link = False
-            if is_link:
-                raise StorageError(
-                    f"{where}: a symbolic link inside the checkpoint root; ckptd never follows "
-                    "links inside a root (docs/storage.md)"
-                ) from e
-            if e.errno == errno.ENOTDIR:
-                raise NotADirectoryError(e.errno, f"{where}: not a directory") from e
-        raise _storage_error(e, where) from e
-    if check_regular:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise StorageError(f"{where}: not a regular file (a FIFO, device or directory)")
-    return fd
-
-
-def _pread_all(fd: int, buf: memoryview, offset: int, where: str) -> None:
-    done = 0
-    while done < len(buf):  # preadv may return short on some filesystems
-        try:
-            n = os.preadv(fd, [buf[done:]], offset + done)
-        except OverflowError as e:
-            raise EOFError(f"{where}: offset {offset} out of range") from e
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise EOFError(f"{where}: offset {offset} is invalid") from e
-            raise _storage_error(e, where) from e
-        if n == 0:
-            raise EOFError(
-                f"{where}: wanted {len(buf)} bytes at offset {offset}, file ends after {done}"
-            )
-        done += n
-
-
-def _rmtree_at(dir_fd: int, name: str) -> None:
-    """Remove directory ``name`` under ``dir_fd`` and everything below it without following a
-    link (links are unlinked themselves)."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 dir_fd=dir_fd)
-    try:
-        for entry in os.scandir(fd):
-            if entry.is_dir(follow_symlinks=False):
-                _rmtree_at(fd, entry.name)
-            else:
-                try:
-                    os.unlink(entry.name, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-
-
-def _storage_error(e: OSError, path: str) -> StorageError:
-    reason = "disk full (ENOSPC)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    err = StorageError(f"{path}: {reason}")
-    err.errno = e.errno
-    return err
