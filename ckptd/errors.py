@@ -23,7 +23,8 @@
     │                                         (``ckptd.data.order``)
     ├── PreemptionError (RuntimeError)        the preemption save could not be made durable
     │                                         (``ckptd.elastic.preemption``)
-    └── DemoError (RuntimeError)              ``ckptd demo`` could not run (``ckptd.elastic.demo``)
+    └── DemoError (RuntimeError)              ``ckptd demo`` could not run
+                                              (``ckptd.elastic.cluster``)
 
 Each error outside this module lives with the part that raises it; catching ``CkptdError``
 catches all thirteen.
