@@ -137,6 +137,14 @@ def test_reshard_reports_only_the_figures_it_computed(tmp_path, capsys):
     assert "a restart on the original would read" in capsys.readouterr().out
 
 
+def test_the_readme_lists_every_command():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Command line", 1)[1].split("```")[1]
+    listed = {line.split()[1] for line in block.splitlines() if line.startswith("ckptd ")}
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) - {"plan"} <= listed  # plan: its own example line below the block
+
+
 def test_the_readme_plan_line_runs_as_written(capsys):
     text = (ROOT / "README.md").read_text()
     (line,) = re.findall(r"^ckptd plan .*$", text, re.M)

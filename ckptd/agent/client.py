@@ -285,11 +285,11 @@ def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
     credentials with ``SO_PEERCRED``), and a root the agent can open itself (no storage
     object, no ``memory://``)."""
     if wanted is None:
-        wanted = default_on()
+        wanted = _default_on()
     return wanted and own_storage and not root.startswith("memory://")
 
 
-def default_on() -> bool:
+def _default_on() -> bool:
     """``$CKPTD_AGENT`` (1/true/yes/on, 0/false/no/off); unset: whether this is Linux."""
     value = os.environ.get("CKPTD_AGENT", "").strip().lower()
     if not value:
