@@ -684,18 +684,23 @@ def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_w
     assert "GB per node at" in said[0] and "CKPTD_JOB_SECRET" in said[0]
 
 
-def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, agents, caplog):
+@pytest.mark.parametrize("limit, env, said", [
+    (["--memory-budget", "1MiB"], {}, "budget"),  # 16 MiB: over the agent's budget
+    ([], {"CKPTD_AGENT_MEM_RESERVE": "1000TiB"}, "reserve"),  # no node leaves that much free
+], ids=["budget", "node-reserve"])
+def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, agents, caplog,
+                                                                     limit, env, said):
     cmd = [sys.executable, "-m", "ckptd.agent", "--node", agents.node, "--dir", agents.dir,
-           "--memory-budget", "1MiB"]
-    agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+           *limit]
+    agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     try:
         wait_until(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
         root = str(tmp_path / "root")
         with caplog.at_level(logging.WARNING, logger="ckptd"):
             with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
-                c.save(_big(1))  # 16 MiB: over the budget
+                c.save(_big(1))
                 c.save(_big(2))
-        assert any("cannot hold" in r.message and "budget" in r.message
+        assert any("cannot hold" in r.message and said in r.message
                    for r in caplog.records)
         _check(root, 1)
         _check(root, 2)

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from ckptd.agent.memory import Kept, Memory
+from ckptd.agent import hostmem
+from ckptd.agent.memory import Kept, Memory, OverBudget
 from ckptd.agent.shm import unlink
 
 ROOT = {"url": "/job/root", "options": None}
@@ -175,3 +176,56 @@ def test_the_owner_is_read_from_owner_json_and_an_unreadable_one_is_said_once(tm
         assert agent._owner_of(spec) == "run7"
     finally:
         agent.memory.close()
+
+
+def test_a_segment_must_leave_the_node_its_reserve_once_the_orphans_are_dropped(monkeypatch):
+    """The budget bounds the agent; the reserve protects the trainers beside it: a new segment
+    that would leave the node less free memory than the reserve is refused, after the steps of
+    trainers that are gone are dropped (their memory counts as free again)."""
+    monkeypatch.setenv("CKPTD_AGENT_MEM_RESERVE", "1MiB")
+    node = {"left": 64 << 20}
+    mem = Memory(1, None, lambda owner, seg_id: None, host=lambda: (1 << 30, node["left"]))
+    mem.made = []
+    try:
+        assert mem.reserve == 1 << 20
+        gone = _step(mem, 1, committed=True)  # owner None: its trainer is gone
+        mem.keep(ROOT, 0, gone)
+        node["left"] = (1 << 20) + 4096 - 1  # 4096 bytes more: one byte under the reserve
+        _step(mem, 2)  # fits once the orphan's 4096 bytes are given back
+        assert not os.path.exists(gone.segment.path)
+        with pytest.raises(OverBudget, match=r"under the agent's 1048576-byte reserve "
+                                             r"\(CKPTD_AGENT_MEM_RESERVE\)"):
+            _step(mem, 3)  # nothing left to drop
+        node["left"] = (1 << 20) + 4096
+        _step(mem, 4)
+    finally:
+        mem.close()
+        for seg in mem.made:
+            unlink(seg.path)
+
+
+def test_the_memory_left_is_the_host_s_or_its_cgroup_s_whichever_is_less(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        1000 kB\nMemFree:  10 kB\nMemAvailable:     600 kB\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("512000\n")
+    (v2 / "memory.current").write_text("400000\n")
+    (v2 / "memory.stat").write_text("anon 290000\ninactive_file 100000\n")
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("5\n")
+    (v1 / "memory.stat").write_text("total_inactive_file 0\n")
+    assert hostmem.left(str(meminfo), []) == (1024000, 614400)
+    assert hostmem.left(str(meminfo), [(str(v1), hostmem._V1)]) == (1024000, 614400)
+    # the working set: 400000 in use, of which 100000 inactive page cache
+    assert hostmem.left(str(meminfo), [(str(v2), hostmem._V2)]) == (512000, 212000)
+    assert hostmem.left(str(tmp_path / "absent"), [(str(tmp_path), hostmem._V2)]) is None
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/pod/abc\n3:cpu,cpuacct:/pod\n0::/pod/abc/main\n")
+    assert hostmem._own_cgroups(str(proc), "/sys/fs/cgroup") == [
+        ("/sys/fs/cgroup/memory/pod/abc", hostmem._V1),
+        ("/sys/fs/cgroup/pod/abc/main", hostmem._V2)]
+    here = hostmem.left()  # this machine's
+    assert here is not None and 0 < here[1] <= here[0]

@@ -20,10 +20,12 @@ step in commit order, and the owner's steps come after every earlier owner's wha
 numbers. Until the owner has committed that many, nothing is dropped this way (a restart may still
 need an earlier run's step).
 
-The budget counts every segment the agent created and has not removed. An arena over it is
-refused after the orphaned steps (their trainers gone) are dropped; a peer copy over it is
-skipped. ``docs/agent.md`` gives the multiplier: per rank ``max_inflight + keep_in_memory``
-arenas (one more while a peer copy is being sent), plus the peer copies received.
+The budget counts every segment the agent created and has not removed; beside it, a new segment
+must leave the node (or its container) a reserve of free memory (:mod:`ckptd.agent.hostmem`),
+which the trainers' own memory also draws on. An arena over either is refused after the orphaned
+steps (their trainers gone) are dropped; a peer copy over either is skipped. ``docs/agent.md``
+gives the multiplier: per rank ``max_inflight + keep_in_memory`` arenas (one more while a peer
+copy is being sent), plus the peer copies received.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptd.agent import hostmem
 from ckptd.agent.shm import Segment, unlink
 from ckptd.errors import CkptdError
 
@@ -68,12 +71,18 @@ def root_key(spec: dict[str, Any]) -> str:
 class Memory:
     def __init__(self, keep: int, budget: int | None,
                  give_back: Callable[[Any, int], None],
-                 owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None) -> None:
+                 owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None,
+                 host: Callable[[], tuple[int, int] | None] = hostmem.left) -> None:
         """``give_back(owner, seg_id)``: tell a live session that its arena is free again;
         ``owner_of(spec)``: the run that owns the root now (None: unknown), asked when a step of
-        another run than the owner last learnt arrives or commits."""
+        another run than the owner last learnt arrives or commits; ``host()``: the node's
+        memory, total and left (:func:`ckptd.agent.hostmem.left`), of which a new segment must
+        leave the reserve (``CKPTD_AGENT_MEM_RESERVE``)."""
         self.keep_n, self.budget, self._give_back, self._owner_of = (keep, budget, give_back,
                                                                      owner_of)
+        self._host = host
+        known = host()
+        self.reserve = hostmem.reserve(known[0]) if known is not None else 0
         self.used = 0
         self._kept: dict[tuple[str, int], list[Kept]] = {}  # (root, rank) -> newest last
         self._owner: dict[str, str] = {}  # root -> the run that owns it, as last learnt
@@ -81,12 +90,14 @@ class Memory:
 
     # ------------------------------------------------------------------ segments
     def create(self, nbytes: int, tag: str) -> Segment:
+        """A new segment, if the budget holds it and the node keeps its reserve after it (both
+        tried again after the steps of trainers that are gone are dropped); else OverBudget."""
         with self._lock:
-            if self.budget is not None and self.used + nbytes > self.budget:
-                self._drop_orphans_locked()
-            if self.budget is not None and self.used + nbytes > self.budget:
-                raise OverBudget(f"{nbytes} bytes more would put the agent at "
-                                 f"{self.used + nbytes} of its {self.budget}-byte budget")
+            short = self._short_locked(nbytes, 0)
+            if short is not None:
+                short = self._short_locked(nbytes, self._drop_orphans_locked())
+            if short is not None:
+                raise OverBudget(short)
             self.used += nbytes
         try:
             return Segment.create(nbytes, tag)
@@ -101,12 +112,28 @@ class Memory:
         with self._lock:
             self.used -= segment.nbytes
 
-    def _drop_orphans_locked(self) -> None:
+    def _short_locked(self, nbytes: int, freed: int) -> str | None:
+        """Why ``nbytes`` more do not fit (None: they do), ``freed`` bytes just given back."""
+        if self.budget is not None and self.used + nbytes > self.budget:
+            return (f"{nbytes} bytes more would put the agent at {self.used + nbytes} of its "
+                    f"{self.budget}-byte budget")
+        host = self._host()
+        if host is not None and host[1] + freed - nbytes < self.reserve:
+            return (f"{nbytes} bytes more would leave {max(0, host[1] + freed - nbytes)} bytes "
+                    f"of the node's memory free, under the agent's {self.reserve}-byte reserve "
+                    "(CKPTD_AGENT_MEM_RESERVE)")
+        return None
+
+    def _drop_orphans_locked(self) -> int:
+        """Drop the steps whose trainers are gone (and no copy or load holds); the bytes freed."""
+        freed = 0
         for kept in self._kept.values():
             for k in [k for k in kept if k.owner is None and not k.pins]:
                 kept.remove(k)
                 unlink(k.segment.path)
                 self.used -= k.segment.nbytes
+                freed += k.segment.nbytes
+        return freed
 
     # ------------------------------------------------------------------ kept steps
     def keep(self, spec: dict[str, Any], rank: int, kept: Kept) -> list[int]:

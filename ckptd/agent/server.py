@@ -102,8 +102,9 @@ class Agent:
         listener.settimeout(0.2)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
-        log.info("ckptd agent %d serving node %s at %s", os.getpid(), self.node,
-                 self.paths["sock"])
+        log.info("ckptd agent %d serving node %s at %s (budget %s bytes; leaves %d bytes of "
+                 "the node's memory free)", os.getpid(), self.node, self.paths["sock"],
+                 self.memory.budget, self.memory.reserve)
         try:
             while not self.stopping.is_set():
                 try:
