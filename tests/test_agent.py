@@ -709,6 +709,22 @@ def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, a
         agent.wait(timeout=30)
 
 
+def test_an_agent_that_cannot_start_is_given_up_at_once(tmp_path, agents, monkeypatch, caplog):
+    """A setting the agent refuses (here its memory reserve) ends it before it listens: the
+    trainer says so at once, naming the agent's log, which names the setting, and saves in
+    process (before, it waited the 60 s start timeout for a socket that could not come)."""
+    monkeypatch.setenv("CKPTD_AGENT_MEM_RESERVE", "lots")
+    root = str(tmp_path / "root")
+    with caplog.at_level(logging.WARNING, logger="ckptd"):
+        with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
+            assert c._saver is not None and c._saver.offload is None
+            c.save(_big(1))
+    said = [r.message for r in caplog.records if "exited at once" in r.message]
+    assert len(said) == 1 and agents.paths["log"] in said[0], said
+    assert "CKPTD_AGENT_MEM_RESERVE='lots'" in agents.log()
+    _check(root, 1)
+
+
 def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, monkeypatch):
     monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
     a, b = agents.node, agents.node + "-b"

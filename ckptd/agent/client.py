@@ -78,10 +78,14 @@ class AgentClient:
         paths = wire.paths(node, directory or wire.agent_dir())
         sock = _try_connect(paths["sock"])
         if sock is None and start:
-            _spawn(node, paths)
+            proc = _spawn(node, paths)
             deadline = time.monotonic() + START_TIMEOUT_S
             pause = 0.01
             while sock is None and time.monotonic() < deadline:
+                # exit 0: a racing start, which leaves the node to the agent that won
+                if proc.poll() not in (None, 0):
+                    raise CkptdError(f"the ckptd agent it started exited at once (code "
+                                     f"{proc.returncode}; its log: {paths['log']})")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.2)
                 sock = _try_connect(paths["sock"])
@@ -335,7 +339,7 @@ def _try_connect(path: str) -> socket.socket | None:
     return sock
 
 
-def _spawn(node: str, paths: dict[str, str]) -> None:
+def _spawn(node: str, paths: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start an agent in its own session (not in the trainer's process group, so it outlives
     the trainer and its launcher's worker group); a racing second start exits at once."""
     with open(paths["log"], "ab") as log_file:
@@ -347,6 +351,7 @@ def _spawn(node: str, paths: dict[str, str]) -> None:
     # reap it if it exits while this process lives (no zombie)
     threading.Thread(target=proc.wait, name="ckptd-agent-reaper", daemon=True).start()
     log.info("ckptd: started the node agent (pid %d) for node %s", proc.pid, node)
+    return proc
 
 
 __all__ = ["AgentClient", "agent_wanted", "connect_for"]

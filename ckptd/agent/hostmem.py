@@ -105,7 +105,10 @@ def reserve(total: int) -> int:
     """Bytes of host memory the agent leaves free: ``$CKPTD_AGENT_MEM_RESERVE`` (a size, 0:
     none), else 5 % of ``total``, at least 1 GiB."""
     value = os.environ.get("CKPTD_AGENT_MEM_RESERVE", "").strip()
-    return parse_size(value) if value else max(GiB, total // 20)
+    try:
+        return parse_size(value) if value else max(GiB, total // 20)
+    except ValueError as e:
+        raise ValueError(f"CKPTD_AGENT_MEM_RESERVE={value!r}: {e}") from None
 
 
 __all__ = ["left", "reserve"]
