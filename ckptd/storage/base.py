@@ -59,7 +59,12 @@ def passing(nbytes: int) -> None:
         gate(nbytes)
 
 
-def blocks(parts: Iterable[Buffer], size: int) -> Iterator[memoryview]:
+# A data file's bytes per write call on a filesystem or through fsspec, and per pass of the
+# writer's gate; a multiple of O_DIRECT's 4096-byte alignment.
+WRITE_BLOCK = 64 << 20
+
+
+def blocks(parts: Iterable[Buffer], size: int = WRITE_BLOCK) -> Iterator[memoryview]:
     """``parts`` as bytes views of at most ``size``, each announced by :func:`passing`."""
     for part in parts:
         view = memoryview(part).cast("B")

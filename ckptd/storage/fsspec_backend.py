@@ -21,8 +21,6 @@ from ckptd.errors import StorageError
 from ckptd.storage.base import Buffer, StorageBase, blocks, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 
-_BLOCK = 64 << 20  # a data file's bytes per write() call (and per pass of the writer's gate)
-
 __all__ = ["FsspecStorage"]
 
 
@@ -63,7 +61,7 @@ class FsspecStorage(StorageBase):
         try:
             self._makedirs(posixpath.dirname(full))
             with self._fs.open(full, "wb") as f:
-                for block in blocks(parts, _BLOCK):
+                for block in blocks(parts):
                     total += len(block)
                     f.write(block)
         except OSError as e:

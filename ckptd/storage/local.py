@@ -20,7 +20,6 @@ log = logging.getLogger("ckptd")
 
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
-_DIRECT_BLOCK = 64 << 20  # bytes per write() call with O_DIRECT
 _DIRECT_MIN = 4 << 20  # smaller files are not worth bypassing the cache
 
 
@@ -189,7 +188,7 @@ class LocalStorage(StorageBase):
         total = 0
         fd = self._open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
         try:
-            for block in blocks(parts, _DIRECT_BLOCK):
+            for block in blocks(parts):
                 total += self._write_all(fd, block)
             self._fsync(fd)
         finally:
@@ -210,7 +209,7 @@ class LocalStorage(StorageBase):
             raise
         total = 0
         try:
-            for block in blocks(parts, _DIRECT_BLOCK):
+            for block in blocks(parts):
                 total += self._write_all(fd, block)
             self._fsync(fd)
         except OSError as e:
