@@ -32,6 +32,7 @@ RUNS = {
     "scale": ["--world", "8", "--shrink", "256"],
     "s3_floor": ["--mib", "8", "--repeat", "1"],
     "s3": ["--size", "16MiB", "--runs", "1"],
+    "agent_start": ["--runs", "1"],
     "agent": ["--size", "32MiB", "--world", "2", "--saves", "1", "--contend", "0",
               "--stall-only", "--gap", "0.2"],
     "peer_copy": ["--size", "16MiB", "--world", "2", "--saves", "1", "--gap", "0.2"],
