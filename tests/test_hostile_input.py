@@ -361,3 +361,17 @@ def test_the_coordinators_one_parse_of_a_manifest_equals_the_lazy_decode(root):
     forged = _resealed(raw, b'"b":{"chunks"', b'"c":{"chunks"')  # in the tail only
     with pytest.raises(CorruptCheckpoint, match=r"^m: the tensors do not match the index$"):
         decode(forged, "m", eager=True)
+
+
+def test_a_manifest_sealed_for_another_step_than_its_directory_is_refused(root):
+    """A manifest whose (well-sealed) step says 2 in ``step-000000001/`` — copied there, or
+    rewritten: load, verify and the catalog refuse it, naming both steps, instead of loading
+    it as step 1."""
+    def other_step(doc):
+        doc["step"] = 2
+
+    _tamper(root, other_step)
+    _both_refuse(root, r"the manifest is of step 2, in the directory of step 1")
+    with pytest.raises(CkptdError, match="the manifest is of step 2"):
+        with ckptd.Checkpointer(root, read_only=True) as c:
+            c.latest_step()

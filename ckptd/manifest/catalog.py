@@ -86,14 +86,27 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     from ckptd.manifest.parse import decode  # the tensors: only what loads them needs it
 
     raw = read_raw(storage, step)
-    return decode(raw, f"{storage.url}/{layout.manifest_path(step)}",
-                  FrameSource(storage, layout.step_dir(step),
-                              f"{storage.url}/{layout.step_dir(step)}"))
+    where = f"{storage.url}/{layout.manifest_path(step)}"
+    manifest = decode(raw, where, FrameSource(storage, layout.step_dir(step),
+                                              f"{storage.url}/{layout.step_dir(step)}"))
+    _check_step(manifest.step, step, where)
+    return manifest
 
 
 def read_doc(storage: Storage, step: int) -> dict[str, Any]:
     """The manifest as checked JSON (size, digest, format; no tensors decoded, no torch)."""
-    return open_doc(read_raw(storage, step), f"{storage.url}/{layout.manifest_path(step)}")
+    where = f"{storage.url}/{layout.manifest_path(step)}"
+    doc = open_doc(read_raw(storage, step), where)
+    _check_step(doc.get("step"), step, where)
+    return doc
+
+
+def _check_step(said: Any, step: int, where: str) -> None:
+    """A manifest is the step of its directory: one moved or copied into another step's
+    directory (its seal is still whole) is refused, not loaded as that step."""
+    if said != step or isinstance(said, bool):
+        raise CorruptCheckpoint(f"{where}: the manifest is of step {said!r}, in the directory "
+                                f"of step {step}")
 
 
 def doc_shapes(doc: dict[str, Any]) -> dict[str, tuple[int, ...]]:
