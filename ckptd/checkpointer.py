@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import config
-from ckptd.agent.client import agent_wanted, connect_for
+from ckptd.agent.launch import agent_wanted, connect_for
 from ckptd.agent.tier import memory_tier
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, catalog, layout
@@ -92,7 +92,10 @@ class Checkpointer:
         self._saver: Saver | None = None
         # the same on every rank: whether loads ask every node's agent what it holds
         self._agents = not read_only and agent_wanted(agent, root, own_storage=storage is None)
-        self._agent_spec = {"url": root, "options": storage_options} if self._agents else None
+        # the root as resolved here (an absolute path): an agent started elsewhere must not
+        # resolve a relative one in its own working directory
+        self._agent_spec = ({"url": self.url, "options": storage_options} if self._agents
+                            else None)
         if not read_only:
             options = SaveOptions(
                 rank=self.rank, world_size=self.world_size, run_id=self.run_id,
@@ -102,11 +105,17 @@ class Checkpointer:
                 debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1",
                 attempt_base=agree_attempt_base(
                     self.world_size, bool(run_id or os.environ.get("CKPTD_RUN_ID"))))
-            offload = connect_for(agent, root, storage_options, own_storage=storage is None,
+            offload = connect_for(agent, self.url, storage_options, own_storage=storage is None,
                                   threads=self.threads, incarnation=options.incarnation,
                                   rank=self.rank)
-            self._saver = Saver(self.storage, options, Signals.from_process_group(), self._io,
-                                offload)
+            try:
+                self._saver = Saver(self.storage, options, Signals.from_process_group(),
+                                    self._io, offload)
+            except BaseException:  # the root cannot be claimed: let go of the agent too
+                if offload is not None:
+                    offload.close()
+                self._io.shutdown(wait=False)
+                raise
         _live.add(self)
 
     @staticmethod
@@ -183,6 +192,17 @@ class Checkpointer:
             return self._last_step + 1
         latest = self.latest_step()
         return 0 if latest is None else latest + 1
+
+    @property
+    def executor(self) -> str:
+        """Where this rank's saves are written now: ``"agent"`` (the node agent takes each one
+        over once it is staged; ``ckptd agent --status`` tells what it holds), or
+        ``"process"`` (this process's own threads: with ``agent=False``, a read-only
+        Checkpointer, no agent to be had, or once the agent was lost)."""
+        saver = self._saver
+        on_agent = (saver is not None and saver.offload is not None
+                    and saver._local_pool is None and saver.offload.alive)
+        return "agent" if on_agent else "process"
 
     @property
     def hands_off(self) -> bool:
@@ -281,6 +301,17 @@ def _drain_at_exit() -> None:
             ckpt.close()
         except Exception as e:  # noqa: BLE001 - exiting anyway; say why
             log.error("ckptd: a save did not complete before exit: %s", e)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing ``fork`` process) inherits copies
+    of the parent's Checkpointers without their threads, locks held mid-use perhaps: they are
+    not its own to drain or close at its exit."""
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 # Drain before concurrent.futures refuses new work at interpreter exit: its hook is registered

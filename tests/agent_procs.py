@@ -43,19 +43,49 @@ def wait_until(cond, timeout_s: float, what: str) -> None:
 
 
 class Agents:
+    """The test's agent directory and node. An agent's files are named by its node and its
+    environment's digest (``wire.paths``): a test that changes a setting after an agent
+    started talks to another agent, so these look a node's agents up whatever their
+    environment."""
+
     def __init__(self, directory: str, node: str) -> None:
         self.dir, self.node = directory, node
-        self.paths = wire.paths(node, directory)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """The files of the agent this process's environment would use on the test's node."""
+        return wire.paths(self.node, self.dir)
 
     def pid(self, node: str | None = None) -> int:
-        """The pid of the agent of ``node`` (default: the test's own node), from its lock file
-        (FileNotFoundError, ValueError: it never started)."""
-        with open(wire.paths(node, self.dir)["lock"] if node else self.paths["lock"]) as f:
+        """The pid of the running agent of ``node`` (default: the test's own node); if none
+        runs, of the one that ran last (FileNotFoundError, ValueError: none ever started)."""
+        found = wire.node_agents(node or self.node, self.dir)
+        running = [pid for p in found if (pid := wire.lock_pid(p["lock"])) is not None]
+        if len(running) == 1:
+            return running[0]
+        assert not running, f"{len(running)} agents run for node {node or self.node}"
+        if not found:
+            raise FileNotFoundError(f"no agent of node {node or self.node} in {self.dir}")
+        newest = max(found, key=lambda p: os.path.getmtime(p["lock"]))
+        with open(newest["lock"]) as f:
             return int(f.read())
 
-    def log(self) -> str:
-        with open(self.paths["log"]) as f:
-            return f.read()
+    def running(self, node: str | None = None) -> dict[str, str]:
+        """The files of the one running agent of ``node`` (default: the test's own), whatever
+        its environment."""
+        found = [p for p in wire.node_agents(node or self.node, self.dir)
+                 if wire.lock_pid(p["lock"]) is not None]
+        assert len(found) == 1, f"{len(found)} agents run for node {node or self.node}"
+        return found[0]
+
+    def log(self, node: str | None = None) -> str:
+        """The logs of every agent of ``node`` (default: the test's own), one after another."""
+        out = []
+        for p in wire.node_agents(node or self.node, self.dir):
+            if os.path.exists(p["log"]):
+                with open(p["log"]) as f:
+                    out.append(f.read())
+        return "".join(out)
 
 
 def serve_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
@@ -65,33 +95,43 @@ def serve_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agents]:
     node = f"n{os.getpid()}-{random.randrange(1 << 30)}"
     monkeypatch.setenv("CKPTD_AGENT_DIR", d)
     monkeypatch.setenv("CKPTD_NODE_ID", node)
+    # a test of the agent asks for it where it wants it (agent=True, CKPTD_AGENT=1): the rest
+    # of its processes save in process whichever executor the suite runs
+    monkeypatch.setenv("CKPTD_AGENT", "0")
     a = Agents(d, node)
-    started: list[int] = []
     try:
         yield a
     finally:
-        for name in os.listdir(d):  # every node's agent (tests may simulate several nodes)
-            if name.endswith(".lock") and os.path.getsize(os.path.join(d, name)):
-                with open(os.path.join(d, name)) as f:
-                    started.append(int(f.read()))
-        for pid in started:
-            if alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        try:
-            for pid in started:
-                wait_until(lambda pid=pid: not alive(pid), 30, f"agent {pid} to exit")
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-            for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
-                os.unlink(path)  # a killed agent's segments (the next agent would remove them)
-        def running() -> list[int]:  # a second agent started in a race exits by itself
-            out = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
-                                 capture_output=True, text=True).stdout.split()
-            return [int(p) for p in out if alive(int(p))]
+        stop_agents_in(d, node)
 
-        for pid in running():  # one that lost a start race and took the lock after ours died
+
+def stop_agents_in(d: str, node: str) -> None:
+    """Stop every agent started in directory ``d`` (every node's: tests may simulate several,
+    named ``node...``), remove the directory and their segments, and check none is left."""
+    started: list[int] = []
+    for name in os.listdir(d) if os.path.isdir(d) else ():
+        if name.endswith(".lock") and os.path.getsize(os.path.join(d, name)):
+            with open(os.path.join(d, name)) as f:
+                started.append(int(f.read()))
+    for pid in started:
+        if alive(pid):
             os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not running(), 30, "every agent to exit")
+    try:
+        for pid in started:
+            wait_until(lambda pid=pid: not alive(pid), 30, f"agent {pid} to exit")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        for path in glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{node}*"):
+            os.unlink(path)  # a killed agent's segments (the next agent would remove them)
+
+    def running() -> list[int]:  # a second agent started in a race exits by itself
+        out = subprocess.run(["pgrep", "-f", f"ckptd.agent --node {node}"],
+                             capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out if alive(int(p))]
+
+    for pid in running():  # one that lost a start race and took the lock after ours died
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not running(), 30, "every agent to exit")
 
 
 def fork_ranks(target: Callable[..., None], args_of: Callable[[int], tuple],

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -23,11 +24,29 @@ from typing import Any
 import pytest
 from agent_procs import Agents, serve_agents
 
-# A writer uses this node's agent by default (docs/agent.md). The suite tests the in-process
-# path, which every save falls back to, unless a test asks for the agent (``agent=True``, or
-# ``CKPTD_AGENT=1`` for the processes it starts, inside the ``agents`` fixture's directory):
-# no test may start an agent in the user's own agent directory, nor leave one running.
-os.environ["CKPTD_AGENT"] = "0"
+# Which executor runs the saves of the tests that do not choose: the in-process path
+# (CKPTD_TEST_EXECUTOR=process, the default), or the node agent (=agent: every writing
+# Checkpointer hands its saves to one agent of the whole run, in a directory and under a node id
+# of its own, stopped at the end). A test that tests the agent itself asks for it (``agent=True``
+# inside the ``agents`` fixture's directory). No test may start an agent in the user's own
+# agent directory, nor leave one running.
+EXECUTOR = os.environ.get("CKPTD_TEST_EXECUTOR", "process")
+if EXECUTOR not in ("process", "agent"):
+    raise SystemExit(f"CKPTD_TEST_EXECUTOR={EXECUTOR!r}: 'process' or 'agent'")
+os.environ["CKPTD_AGENT"] = "1" if EXECUTOR == "agent" else "0"
+if EXECUTOR == "agent":
+    os.environ["CKPTD_AGENT_DIR"] = tempfile.mkdtemp(prefix="ckag")
+    os.environ["CKPTD_NODE_ID"] = f"suite{os.getpid()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _suite_agent() -> Iterator[None]:
+    """With the agent executor: stop the run's agent at the end (none may be left)."""
+    yield
+    if EXECUTOR == "agent":
+        from agent_procs import stop_agents_in
+
+        stop_agents_in(os.environ["CKPTD_AGENT_DIR"], os.environ["CKPTD_NODE_ID"])
 
 # Small enough that the suite's objects span many parts and ranged GETs; moto's minimum matches.
 TEST_PART_BYTES = 64 << 10

@@ -110,7 +110,10 @@ def _kill_loop(root: str, agents: Agents, points: int, seed: int) -> None:
         step = steps[-1]
     assert len(pids) == 1, "one agent serves every incarnation of the job"
     # the restart (one rank now) reads the last step from the agent's memory: committed after
-    # its trainers died, it is kept all the same
+    # its trainers died, it is kept all the same (rank 1's share is kept once its job ends,
+    # which can be just after rank 0's agent job committed the step)
+    wait_until(lambda: all(_holds_step(root, agents.node, r, step) for r in range(2)), 60,
+               f"the agent to hold both ranks of step {step}")
     dst = {"model": {"w": torch.zeros(2 * N), "b": torch.zeros(16)}}
     with ckptd.Checkpointer(root, rank=0, world_size=1, run_id="restart", agent=True) as c:
         r = c.load(dst)
@@ -248,9 +251,11 @@ def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="on by default on Linux")
 def test_a_writer_uses_the_node_agent_by_default(tmp_path, agents, monkeypatch):
-    """No ``agent=``, no ``$CKPTD_AGENT``: the save outlives its trainers, which only the agent
-    can do; ``CKPTD_AGENT=0`` saves in process; any other value is refused, naming itself."""
+    """No ``agent=``, no ``$CKPTD_AGENT``, a job torchrun started: the save outlives its
+    trainers, which only the agent can do; ``CKPTD_AGENT=0`` saves in process; any other value
+    is refused, naming itself."""
     monkeypatch.delenv("CKPTD_AGENT")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     root = str(tmp_path / "r")
     _kill_after_save(root, "job", [1, 2], None, 0.0)
     wait_until(lambda: _latest(root) == 2, 60, "step 2 to commit")
@@ -439,8 +444,18 @@ def _save_then_stall(root: str, rank: int, node: str, conn,
     return c
 
 
+def _client_of(root: str, node: str) -> AgentClient:
+    """A client of the agent running for ``node`` (of whatever environment: a test may have
+    changed a setting since it started it)."""
+    directory = os.environ["CKPTD_AGENT_DIR"]
+    found = [p for p in wire.node_agents(node, directory) if wire.lock_pid(p["lock"])]
+    assert len(found) == 1, f"{len(found)} agents run for node {node}"
+    return AgentClient.connect({"url": root, "options": None}, threads=1, start=False,
+                               node=node, paths=found[0])
+
+
 def _holds_step(root: str, node: str, rank: int, step: int) -> bool:
-    c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
+    c = _client_of(root, node)
     try:
         return any(f"step-{step:09d}/" in p and f"/r{rank:05d}" in p for p in c.kept().files)
     finally:
@@ -471,7 +486,7 @@ def test_a_step_that_never_commits_does_not_push_the_committed_one_out_of_memory
 
 # ----------------------------------------------------------------------------- peer copies
 def _holds(root: str, node: str, rank: int) -> bool:
-    c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False, node=node)
+    c = _client_of(root, node)
     try:
         return any(f"/r{rank:05d}" in p for p in c.kept().files)
     finally:
@@ -666,7 +681,7 @@ def test_a_peer_copy_that_arrives_damaged_is_not_kept(tmp_path, agents, monkeypa
         assert not any("step-000000098" in p for p in held)
         assert any("step-000000099" in p for p in held)
         # the damaged copy's memory went back: one peer segment left, step 99's
-        assert len(glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{agents.node}+peer-*")) == 1
+        assert len(glob.glob(f"/dev/shm/ckptd-{os.getuid()}-{agents.node}-*+*.peer-*")) == 1
         assert "mallory's rank 0 step 98 arrived damaged" in agents.log()
     finally:
         on_a.close()
@@ -689,10 +704,13 @@ def test_the_agent_says_when_a_node_s_state_cannot_be_written_inside_the_grace_w
     ([], {"CKPTD_AGENT_MEM_RESERVE": "1000TiB"}, "reserve"),  # no node leaves that much free
 ], ids=["budget", "node-reserve"])
 def test_over_the_agent_s_memory_budget_the_trainer_saves_in_process(tmp_path, agents, caplog,
-                                                                     limit, env, said):
+                                                                     monkeypatch, limit, env,
+                                                                     said):
     cmd = [sys.executable, "-m", "ckptd.agent", "--node", agents.node, "--dir", agents.dir,
            *limit]
-    agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    for k, v in env.items():  # the trainer's environment too: an agent serves its own
+        monkeypatch.setenv(k, v)
+    agent = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: os.path.exists(agents.paths["sock"]), 60, "the agent's socket")
         root = str(tmp_path / "root")
@@ -746,7 +764,8 @@ def test_a_peer_copy_over_the_receiver_s_budget_is_skipped(tmp_path, agents, mon
             for parent, _ in pipes:
                 assert parent.poll(120) and parent.recv() == "saved"
             wait_until(lambda: _holds(root, a, 1), 60, "node b's part on node a")
-            log_b = open(wire.paths(b, agents.dir)["log"]).read
+            def log_b() -> str:
+                return agents.log(b)
             wait_until(lambda: "no room for node" in log_b(), 60, "node b to refuse node a's part")
             assert not _holds(root, b, 0)
         finally:
@@ -850,7 +869,7 @@ def test_a_save_a_stopping_agent_cannot_write_in_the_grace_window_goes_to_a_peer
         (record,) = _handoff_records(root, 2)
         assert (record["from"], record["to"], record["rank"], record["step"]) == (a, b, 0, 2)
         assert _handoff_records(root, 1) == []
-        log_b = open(wire.paths(b, agents.dir)["log"]).read()
+        log_b = agents.log(b)
         assert f"wrote node {a}'s rank 0 step 2" in log_b
         assert "handed to node" in agents.log()
     finally:
@@ -901,7 +920,7 @@ def _stop_mid_write(root: str, agents: Agents, stop_b_first: bool) -> ckptd.Save
             wait_until(lambda: _holds_step(root, b, 0, 1), 30, "node b to hold the copy")
             if stop_b_first:
                 os.kill(agents.pid(b), signal.SIGTERM)
-                wait_until(lambda: "stopping;" in open(wire.paths(b, agents.dir)["log"]).read(),
+                wait_until(lambda: "stopping;" in agents.log(b),
                            30, "node b's agent to see its SIGTERM")
             os.kill(agents.pid(), signal.SIGTERM)
             return h.result(120)
@@ -925,7 +944,7 @@ def test_a_save_being_written_at_sigterm_is_written_by_the_peer_that_holds_its_c
         log_a = agents.log()
         assert "rank 0 step 1: stopped with" in log_a
         assert f"rank 0 step 1 is written by node {b} from the copy it holds" in log_a
-        log_b = open(wire.paths(b, agents.dir)["log"]).read()
+        log_b = agents.log(b)
         assert f"wrote node {a}'s rank 0 step 1" in log_b
         assert _holds_step(root, b, 0, 1)  # and it keeps the copy, committed, for a restart
 

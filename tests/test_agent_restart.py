@@ -129,3 +129,84 @@ def test_a_restart_waits_for_a_share_whose_trainer_is_still_connected(
     assert _failed(root, 2) == []
     step, dst = _load(root)
     assert step == 2 and torch.equal(dst["model"]["w"], _expected(2))
+
+
+def _late_run(root: str, rank: int, node: str, conn) -> None:
+    """A restarted job's trainer: rank 0 saves each step when told and reports its commit;
+    rank 1 (whose node's agent the test kills: it saves in process) saves only once rank 0's
+    agent is waiting for its share."""
+    torch.set_num_threads(1)
+    os.environ["CKPTD_NODE_ID"] = node
+    c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="second", agent=True,
+                           keep_last=0)
+    conn.send("ready")
+    while (msg := conn.recv()) != "exit":
+        step = int(msg)
+        if rank == 0:
+            h = c.save_async(_state(step, rank), step=step)
+            conn.send("staged")
+            try:
+                h.result()
+                conn.send("committed")
+            except ckptd.CkptdError as e:
+                conn.send(f"failed: {e}")
+        else:
+            try:
+                c.save(_state(step, rank), step=step)
+                conn.send("committed")
+            except ckptd.CkptdError as e:
+                conn.send(f"failed: {e}")
+    c.close()
+
+
+def _partial_of_rank_0(root: str, step: int) -> bool:
+    d = os.path.join(root, layout.step_dir(step), "ranks")
+    return os.path.isdir(d) and any(
+        os.path.exists(os.path.join(d, a, os.path.basename(layout.partial_path(step, a, 0))))
+        for a in os.listdir(d))
+
+
+def test_after_a_restart_a_late_share_of_the_current_run_is_waited_for(tmp_path, agents,
+                                                                       monkeypatch):
+    """Two nodes with a job secret; the job restarts after step 1 (the first run drained on
+    node a's agent); in the second run node b's agent dies and rank 1 saves in process, its
+    share coming after rank 0's agent is already waiting: steps 2-4 all commit (before, the
+    agent took the current run for a superseded one and failed each step at once)."""
+    monkeypatch.setenv("CKPTD_JOB_SECRET", "s3cret-of-this-job")
+    root = str(tmp_path / "root")
+    a, b = agents.node, agents.node + "-b"
+    procs = _start(root, a, b)  # the first run: step 1 committed, step 2 staged on rank 0
+    try:
+        (t0, c0), (t1, c1) = procs
+        c1.send("save")  # rank 1's share of step 2: the first run ends cleanly
+        assert c1.poll(120) and c1.recv() == "committed"
+        c1.send("exit")
+        c0.send("exit")
+        for p, _ in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        reap(procs)
+    second = fork_ranks(_late_run, lambda r: (root, r, (a, b)[r]), 2)
+    try:
+        for _, parent in second:
+            assert parent.poll(120) and parent.recv() == "ready"
+        _kill(agents.pid(b))  # rank 1's agent: it saves in process from now on
+        (_, c0), (_, c1) = second
+        for step in (3, 4, 5):
+            c0.send(str(step))
+            assert c0.poll(120) and c0.recv() == "staged"
+            # rank 0's agent writes its share and waits for rank 1's
+            wait_until(lambda s=step: _partial_of_rank_0(root, s), 60, f"rank 0's step {step}")
+            c1.send(str(step))
+            assert c1.poll(120) and c1.recv() == "committed", f"step {step}"
+            assert c0.poll(120) and c0.recv() == "committed", f"step {step}"
+        for _, parent in second:
+            parent.send("exit")
+        for p, _ in second:
+            p.join(60)
+    finally:
+        reap(second)
+    assert all(_failed(root, s) == [] for s in (3, 4, 5))
+    step, dst = _load(root)
+    assert step == 5 and torch.equal(dst["model"]["w"], _expected(5))

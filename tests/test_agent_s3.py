@@ -76,3 +76,49 @@ def test_an_s3_save_survives_its_trainer_and_the_restart_reads_the_agent_s_memor
         r = c.load(dst)
     assert r.step == 2 and r.nbytes_from_storage == r.nbytes_read > 0
     assert torch.equal(dst["w"], _state(2)["w"])
+
+
+def _without_credentials(url: str, options: dict, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options, agent=True)
+        conn.send("no error")
+    except Exception as e:  # noqa: BLE001 - what it was is the test's to check
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def test_an_agent_started_without_credentials_does_not_fail_the_next_job_s_saves(
+        s3_bucket, agents, monkeypatch, tmp_path):
+    """A first job without S3 credentials fails (as it must) and leaves a node agent; the next
+    job exports its credentials: its saves commit — through an agent of its own environment,
+    never the first job's (before: every save failed in the old agent with
+    NoCredentialsError until ``ckptd agent --stop``)."""
+    url = s3_bucket.url
+    options = {"client_kwargs": {"endpoint_url": s3_bucket.server.endpoint_url,
+                                 "region_name": "us-east-1"}}  # credentials from the environment
+    # no credentials anywhere (and no instance-metadata lookup off this machine)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    saved = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                        "AWS_SESSION_TOKEN")}
+    for k in saved:
+        monkeypatch.delenv(k)
+    # the first job, a process of its own (this one's S3 clients must not remember it)
+    procs = fork_ranks(_without_credentials, lambda rank: (url, options), 1)
+    try:
+        assert procs[0][1].poll(120)
+        said = procs[0][1].recv()
+    finally:
+        reap(procs)
+    assert "credentials" in said.lower(), said
+    first = agents.pid()  # it left an agent
+    for k, v in saved.items():
+        monkeypatch.setenv(k, v)
+    with ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options,
+                            agent=True) as c:
+        assert c._saver is not None and c._saver.offload is not None
+        assert c._saver.offload.pid != first  # type: ignore[attr-defined]
+        c.save(_state(1), step=1)
+    assert _latest(url, {**options, "key": "testing", "secret": "testing"}) == 1
+    assert "testing" not in agents.log()  # no secret in any agent's log

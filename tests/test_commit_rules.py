@@ -73,18 +73,30 @@ def _uncommit(root: str, step: int) -> None:
     os.remove(os.path.join(root, L.manifest_path(step)))
 
 
+class _MarkerFails(LocalStorage):
+    """Once ``full``, the FAILED marker cannot be written (a disk that filled up)."""
+
+    full = False
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        if self.full and path.endswith(L.FAILED):
+            raise StorageError(f"{path}: disk full (ENOSPC)")
+        super().put_atomic(path, data)
+
+
 def test_a_reader_never_commits_a_foreign_jobs_complete_attempt(tmp_path):
     root = str(tmp_path)
-    a = ckptd.Checkpointer(root, run_id="job-a", keep_last=0)
+    disk = _MarkerFails(root)  # (a storage object: job a saves in process)
+    a = ckptd.Checkpointer(root, run_id="job-a", keep_last=0, storage=disk)
     a.save(_w(1), step=1)
     b = ckptd.Checkpointer(root, run_id="job-b", keep_last=0)  # takes the root over
     b.save(_w(2), step=2)
+    # job a's step 3: complete, its coordinator refused, and the FAILED marker it writes lost
+    # (so its share stays, as a coordinator's that died would)
+    disk.full = True
     with pytest.raises(ForeignWriter):
         a.save(_w(666), step=3)
-    # job a's step 3 would have been complete if its coordinator had not been refused: make it
-    # look exactly like that (a FAILED marker is what the coordinator writes; remove it)
     attempt = next(iter(os.listdir(tmp_path / L.step_dir(3) / "ranks")))
-    os.remove(tmp_path / L.failed_path(3, attempt))
     assert os.listdir(tmp_path / L.partials_dir(3, attempt)) == ["00000.json"]
     with ckptd.Checkpointer(root, read_only=True) as tool:
         for _ in range(3):
@@ -147,7 +159,8 @@ def _fsize_limited_rank(rank: int, world: int, root: str, bad_rank: int) -> tupl
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
     n = 1 << 20
-    ck = ckptd.Checkpointer(root, keep_last=0)
+    # in process whatever the suite's executor: the fault is this process's own file-size limit
+    ck = ckptd.Checkpointer(root, keep_last=0, agent=False)
     state = {"w": ckptd.Shard(torch.full((n // world,), float(rank)), (n,), (rank * n // world,))}
     t0 = time.monotonic()
     try:
@@ -201,7 +214,12 @@ def test_a_failed_share_is_visible_through_storage_alone(tmp_path):
     attempt = os.listdir(tmp_path / L.step_dir(4) / "ranks")[0]
     assert os.path.exists(tmp_path / L.rank_failed_path(4, attempt, 1))
     for c in ranks:
-        c.close()
+        c.close()  # (the save thread cleans up after it delivered the error)
+    # the step failed for good: rank 0's share, written and in no commit's reach, is removed
+    # at once (it would otherwise fill the disk the next save needs)
+    data = tmp_path / L.step_dir(4) / "data" / attempt
+    assert not os.path.exists(data) or os.listdir(data) == []
+    assert not os.path.exists(tmp_path / L.partial_path(4, attempt, 0))
 
 
 # ----------------------------------------------------------------------------- a reused run id

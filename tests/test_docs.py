@@ -20,12 +20,17 @@ CASES = [
 
 @pytest.mark.parametrize("code", CASES)
 def test_documentation_example_runs(code, tmp_path, monkeypatch):
+    import os
+
     monkeypatch.chdir(tmp_path)
+    environ = dict(os.environ)  # what an example sets is undone after it
     import ckptd.checkpointer
 
     try:
         exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
     finally:
+        os.environ.clear()
+        os.environ.update(environ)
         default = ckptd.checkpointer.default_or_none()
         if default is not None:
             default.close()

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", type=parse_size, default=None,
                    help="bytes of host memory for arenas, kept steps and peer copies "
                         "(e.g. 64GiB; default: 90%% of /dev/shm's free space at start)")
+    p.add_argument("--release-after", type=float, default=None,
+                   help="give a root's kept steps back this many seconds after its last "
+                        "trainer left (default: $CKPTD_AGENT_RELEASE_S, else 60)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from ckptd.agent.shm import shm_free
 
     budget = args.memory_budget if args.memory_budget is not None else int(0.9 * shm_free())
-    return serve(node, directory, args.idle_exit, args.keep_in_memory, budget, lock)
+    return serve(node, directory, args.idle_exit, args.keep_in_memory, budget, lock,
+                 args.release_after)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,23 @@ log = logging.getLogger("ckptd")
 START_TIMEOUT_S = 60.0  # a cold start imports torch
 
 
+class AgentMismatch(CkptdError):
+    """The node agent runs another ckptd (version or code) than this process."""
+
+
+def _announce(node: str, hello: dict[str, Any]) -> None:
+    """Said once, by the process that started the node's agent, where the user sees it."""
+    budget = hello.get("budget")
+    log.warning(
+        "ckptd: started a node agent (pid %s) on node %s: it writes and commits this node's "
+        "saves, so they outlive the training process, and keeps the newest step in shared "
+        "memory for a restart (up to %s; given back %.0f s after the last trainer leaves; the "
+        "process exits after %.0f idle s). Stop it: ckptd agent --stop. Without it: "
+        "CKPTD_AGENT=0 or Checkpointer(agent=False). Its log: %s",
+        hello.get("pid"), node, f"{budget / 2**30:.1f} GiB" if budget else "its budget",
+        float(hello.get("release_s", 0)), float(hello.get("idle_exit_s", 0)), hello.get("log"))
+
+
 class _Ticket:
     def __init__(self, reply: Future[dict[str, Any]]) -> None:
         self.reply = reply
@@ -69,14 +86,17 @@ class AgentClient:
     @classmethod
     def connect(cls, storage: dict[str, Any], *, threads: int, start: bool = True,
                 node: str | None = None, directory: str | None = None,
-                timeout_s: float = 5.0, trainer: tuple[str, int] | None = None) -> AgentClient:
-        """This node's agent, started (detached, its own session) if none answers and
-        ``start``. ``storage``: ``{"url", "options"}`` of the root the saves go to;
-        ``trainer``: the run id and rank of the Checkpointer it serves (a peer may ask whether
-        its saves can still come: :mod:`ckptd.agent.orphans`)."""
+                timeout_s: float = 5.0, trainer: tuple[str, int] | None = None,
+                paths: dict[str, str] | None = None) -> AgentClient:
+        """This node's agent for this process's environment, started (detached, its own
+        session) if none answers and ``start``. ``storage``: ``{"url", "options"}`` of the root
+        the saves go to; ``trainer``: the run id and rank of the Checkpointer it serves (a peer
+        may ask whether its saves can still come: :mod:`ckptd.agent.orphans`); ``paths``: the
+        files of another agent to talk to (one of :func:`ckptd.agent.wire.node_agents`)."""
         node = node or wire.node_id()
-        paths = wire.paths(node, directory or wire.agent_dir())
+        paths = paths or wire.paths(node, directory or wire.agent_dir())
         sock = _try_connect(paths["sock"])
+        proc = None
         if sock is None and start:
             proc = _spawn(node, paths)
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,13 +112,40 @@ class AgentClient:
         if sock is None:
             raise CkptdError(f"no ckptd agent answers at {paths['sock']} (log: {paths['log']})")
         client = cls(sock, storage, timeout_s)
-        hello = client._request({"op": "hello", "threads": threads, "storage": storage,
-                                 **({"run": trainer[0], "rank": trainer[1]} if trainer else {})})
-        if hello.get("op") == "refused":
-            raise wire.Refused(str(hello.get("error")))
+        try:
+            hello = client._request({"op": "hello", "threads": threads, "storage": storage,
+                                     **({"run": trainer[0], "rank": trainer[1]}
+                                        if trainer else {})})
+            if hello.get("op") == "refused":
+                raise wire.Refused(str(hello.get("error")))
+            theirs, ours = hello.get("identity"), wire.identity()
+            if theirs != ours:
+                client._retire(theirs, ours)
+        except BaseException:
+            client.close()
+            raise
         client.keep = int(hello.get("keep", 0))
         client.peers = bool(hello.get("peers"))
+        if proc is not None and proc.pid == client.pid:
+            _announce(node, hello)
         return client
+
+    def _retire(self, theirs: Any, ours: dict[str, str]) -> None:
+        """The agent runs other code (another install, a patched copy): ask it to exit once its
+        last trainer leaves, and raise :class:`AgentMismatch` (this process saves in process)."""
+        def said(who: Any) -> str:
+            return (f"ckptd {who.get('version')} (code {who.get('code')})"
+                    if isinstance(who, dict) else "an unknown ckptd")
+
+        why = f"a trainer of {said(ours)} (pid {os.getpid()}) found it running {said(theirs)}"
+        try:
+            self._request({"op": "retire", "why": why}, timeout_s=self._timeout_s)
+        except CkptdError:  # an agent that predates "retire": it idles out, or --stop
+            pass
+        raise AgentMismatch(
+            f"the node agent (pid {self.pid}) runs {said(theirs)}, this process "
+            f"{said(ours)}: saving in process; that agent exits once its last trainer leaves "
+            f"(or stop it now: ckptd agent --stop)")
 
     # ------------------------------------------------------------------ Offload
     @property
@@ -168,6 +215,11 @@ class AgentClient:
         self._request({"op": "committed", "storage": self._storage, "rank": rank, "step": step},
                       timeout_s=self._timeout_s)
 
+    def settle(self) -> None:
+        """The retention the agent owes this trainer's root (after its last save's commit),
+        done before this returns — as a Saver's own close does it in process."""
+        self._request({"op": "settle"})
+
     def unpin(self, lease: int) -> None:
         """The load is done: the steps it read may be given back or dropped."""
         if self._lost is None:
@@ -224,7 +276,7 @@ class AgentClient:
             self._lose(f"the node agent (pid {self.pid}) did not answer a request")
             raise self._lost or AgentLost("agent lost") from None
         if out.get("op") == "failed":
-            raise CkptdError(f"ckptd agent: {out.get('error')}")
+            raise wire.error_of(out)
         return out
 
     def _read(self) -> None:
@@ -258,7 +310,7 @@ class AgentClient:
                                        for i in msg.get("released", ()) if i in by_id]
                     done.set_result(msg)
                 else:
-                    done.set_exception(CkptdError(f"{msg.get('kind')}: {msg.get('error')}"))
+                    done.set_exception(wire.error_of(msg))
             if reply is not None:
                 reply.set_result(msg)
 
@@ -278,55 +330,6 @@ class AgentClient:
         for f in pending:
             if not f.done():
                 f.set_exception(self._lost)
-
-
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
-    """Whether a writing Checkpointer of ``root`` uses a node agent: ``wanted`` (None:
-    ``$CKPTD_AGENT``, and when that is unset, yes on Linux — the agent checks its clients'
-    credentials with ``SO_PEERCRED``), and a root the agent can open itself (no storage
-    object, no ``memory://``)."""
-    if wanted is None:
-        wanted = _default_on()
-    return wanted and own_storage and not root.startswith("memory://")
-
-
-def _default_on() -> bool:
-    """``$CKPTD_AGENT`` (1/true/yes/on, 0/false/no/off); unset: whether this is Linux."""
-    value = os.environ.get("CKPTD_AGENT", "").strip().lower()
-    if not value:
-        return sys.platform.startswith("linux")
-    if value not in _ON + _OFF:
-        raise CkptdError(f"CKPTD_AGENT={value!r}: use 1 (a node agent) or 0 (save in process)")
-    return value in _ON
-
-
-def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
-                own_storage: bool, threads: int, incarnation: str,
-                rank: int) -> AgentClient | None:
-    """This node's agent for a writing Checkpointer of ``root`` (started if none runs), once an
-    earlier incarnation's saves in it are done (``incarnation``: ``SaveOptions.incarnation``,
-    the agent's name for a run); None without one: not ``wanted`` (:func:`agent_wanted`), a
-    storage object or ``memory://`` root the agent could not open (not
-    ``own_storage``), or none to be had (with a warning)."""
-    if not agent_wanted(wanted, root, own_storage=own_storage):
-        return None
-    try:
-        client = AgentClient.connect(
-            {"url": root, "options": storage_options}, threads=threads,
-            timeout_s=float(os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")),
-            trainer=(incarnation, rank))
-        # a previous incarnation's last saves commit before this one claims the root
-        busy = client.drain(incarnation, float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30")))
-        if busy:
-            log.warning("ckptd: rank %d: the node agent still runs %d save(s) of an earlier "
-                        "job", rank, busy)
-        return client
-    except (CkptdError, OSError) as e:
-        log.warning("ckptd: rank %d: no node agent (%s); saving in process", rank, e)
-        return None
 
 
 def _try_connect(path: str) -> socket.socket | None:
@@ -354,4 +357,4 @@ def _spawn(node: str, paths: dict[str, str]) -> subprocess.Popen[bytes]:
     return proc
 
 
-__all__ = ["AgentClient", "agent_wanted", "connect_for"]
+__all__ = ["AgentClient", "AgentMismatch", "START_TIMEOUT_S"]

@@ -111,4 +111,18 @@ def reserve(total: int) -> int:
         raise ValueError(f"CKPTD_AGENT_MEM_RESERVE={value!r}: {e}") from None
 
 
-__all__ = ["left", "reserve"]
+def shm_reserve(size: int) -> int:
+    """Bytes of the shared-memory filesystem (``/dev/shm``, ``size`` in all) the agent leaves
+    free for the training processes' own use of it — a DataLoader's workers hand every batch
+    over through it: ``$CKPTD_AGENT_SHM_RESERVE`` (a size, 0: none), else a quarter of it and at
+    least 512 MiB (8 workers × a prefetch of 2 × 32 MiB batches), at most all of it. A
+    container's default 64 MiB is then all reserve: the agent holds nothing there, and its
+    trainers save in process."""
+    value = os.environ.get("CKPTD_AGENT_SHM_RESERVE", "").strip()
+    try:
+        return parse_size(value) if value else min(size, max(size // 4, 512 << 20))
+    except ValueError as e:
+        raise ValueError(f"CKPTD_AGENT_SHM_RESERVE={value!r}: {e}") from None
+
+
+__all__ = ["left", "reserve", "shm_reserve"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd.agent import hostmem
-from ckptd.agent.shm import Segment, unlink
+from ckptd.agent.shm import Segment, shm_space, unlink
 from ckptd.errors import CkptdError
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ class Memory:
     def __init__(self, keep: int, budget: int | None,
                  give_back: Callable[[Any, int], None],
                  owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None,
-                 host: Callable[[], tuple[int, int] | None] = hostmem.left) -> None:
+                 host: Callable[[], tuple[int, int] | None] = hostmem.left,
+                 shm: Callable[[], tuple[int, int] | None] = shm_space) -> None:
         """``give_back(owner, seg_id)``: tell a live session that its arena is free again;
         ``owner_of(spec)``: the run that owns the root now (None: unknown), asked when a step of
         another run than the owner last learnt arrives or commits; ``host()``: the node's
@@ -80,9 +81,11 @@ class Memory:
         leave the reserve (``CKPTD_AGENT_MEM_RESERVE``)."""
         self.keep_n, self.budget, self._give_back, self._owner_of = (keep, budget, give_back,
                                                                      owner_of)
-        self._host = host
+        self._host, self._shm = host, shm
         known = host()
         self.reserve = hostmem.reserve(known[0]) if known is not None else 0
+        space = shm()
+        self.shm_reserve = hostmem.shm_reserve(space[0]) if space is not None else 0
         self.used = 0
         self._kept: dict[tuple[str, int], list[Kept]] = {}  # (root, rank) -> newest last
         self._owner: dict[str, str] = {}  # root -> the run that owns it, as last learnt
@@ -122,6 +125,12 @@ class Memory:
             return (f"{nbytes} bytes more would leave {max(0, host[1] + freed - nbytes)} bytes "
                     f"of the node's memory free, under the agent's {self.reserve}-byte reserve "
                     "(CKPTD_AGENT_MEM_RESERVE)")
+        shm = self._shm()
+        if shm is not None and shm[1] + freed - nbytes < self.shm_reserve:
+            return (f"{nbytes} bytes more would leave {max(0, shm[1] + freed - nbytes)} of the "
+                    f"{shm[0]} bytes of shared memory (/dev/shm) free, under the "
+                    f"{self.shm_reserve} bytes the agent leaves to the training processes "
+                    "(CKPTD_AGENT_SHM_RESERVE)")
         return None
 
     def _drop_orphans_locked(self) -> int:
@@ -289,6 +298,29 @@ class Memory:
                     k.pins += 1
                     return k
         return None
+
+    def roots(self) -> dict[str, tuple[int, int]]:
+        """Each root (its key) with steps held: their bytes and how many (all ranks, copies
+        included)."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for (root, _), ks in self._kept.items():
+                n, steps = out.get(root, (0, 0))
+                out[root] = (n + sum(k.segment.nbytes for k in ks), steps + len(ks))
+        return {r: v for r, v in out.items() if v[1]}
+
+    def release(self, root: str) -> int:
+        """Let go of every step of ``root`` (no restart will load them): given back to a trainer
+        still connected, removed otherwise; one a copy or a load holds goes once it is done.
+        The bytes removed now."""
+        with self._lock:
+            dropped = [k for (r, _), ks in self._kept.items() if r == root
+                       for k in self._drop(ks, list(ks))]
+            before = self.used
+        for k in dropped:
+            self._release(k)
+        with self._lock:
+            return before - self.used
 
     def is_kept(self, segment: Segment) -> bool:
         with self._lock:

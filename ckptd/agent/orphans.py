@@ -42,6 +42,7 @@ log = logging.getLogger("ckptd.agent")
 
 ASK_EVERY_S = 1.0  # a coordinating job's polls are faster: the question goes out at most this often
 ASK_TIMEOUT_S = 5.0  # per peer, connecting and answering
+KEEP_RUNS = 64  # runs remembered per root: their order is what "superseded" means
 
 
 def root_key(spec: dict[str, Any]) -> str:
@@ -74,7 +75,9 @@ class Shares:
         # differently (mount points), and a false claim only means waiting as before
         self._writing: Counter[tuple[str, int]] = Counter()  # (attempt, rank)
         self._connected: Counter[tuple[str, int]] = Counter()  # (run, rank)
-        self._started: dict[str, set[str]] = {}  # root -> the runs that asked to drain
+        # root -> the runs that asked to drain, in the order they first did (the newest last;
+        # the last KEEP_RUNS: a run older than those counts as never seen, and waits)
+        self._started: dict[str, list[str]] = {}
         self._asked: dict[str, float] = {}  # attempt -> monotonic time of the last question
         self._told: set[str] = set()  # attempts whose claimant was logged
 
@@ -91,13 +94,22 @@ class Shares:
                 del self._connected[(run, rank)]
 
     def started(self, root: str, run: str) -> None:
-        """A run of ``root`` started on this node: every other run of it is superseded."""
+        """A run of ``root`` started on this node (its Checkpointers drain before they claim the
+        root): every run that started before it is superseded. A run seen already keeps its
+        place (its other ranks' Checkpointers drain too)."""
         with self._lock:
-            self._started.setdefault(root, set()).add(run)
+            runs = self._started.setdefault(root, [])
+            if run not in runs:
+                runs.append(run)
+                del runs[:-KEEP_RUNS]
 
     def superseded(self, root: str, run: str) -> bool:
+        """Whether a run of ``root`` started on this node after ``run`` did. A run it never saw
+        start is not (a false "superseded" fails a step whose share may still come; a false
+        "not" only waits, as without peers)."""
         with self._lock:
-            return any(r != run for r in self._started.get(root, ()))
+            runs = self._started.get(root, [])
+            return run in runs and run != runs[-1]
 
     def due(self, attempt: str) -> bool:
         """Whether to ask again about ``attempt`` (at most every ``ASK_EVERY_S``)."""

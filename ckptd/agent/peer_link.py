@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,12 @@ import xxhash
 from ckptd.agent import wire
 
 log = logging.getLogger("ckptd.agent")
+
+# A connection must answer the challenge within HANDSHAKE_S; at most MAX_UNPROVEN may be waiting
+# to (more are closed at once): what an unauthenticated flood can hold of the agent's threads
+# and file descriptors is bounded by them, whatever the process's limit.
+HANDSHAKE_S = 5.0
+MAX_UNPROVEN = 64
 
 
 def job_secret() -> bytes | None:
@@ -50,9 +57,9 @@ def recv_into(sock: socket.socket, into: memoryview) -> None:
 def answer_challenge(sock: socket.socket, secret: bytes, refused: str) -> None:
     """The connecting side of the challenge :meth:`PeerServer._handle` poses: the HMAC of its
     nonce; ``ConnectionError(refused)`` if the answer is not accepted."""
-    nonce = bytes.fromhex(wire.recv(sock, 4096)["nonce"])
+    nonce = bytes.fromhex(wire.recv(sock, 4096, max_depth=2)["nonce"])
     wire.send(sock, {"mac": hmac.new(secret, nonce, hashlib.sha256).hexdigest()})
-    if not wire.recv(sock, 4096).get("ok"):
+    if not wire.recv(sock, 4096, max_depth=2).get("ok"):
         raise ConnectionError(refused)
 
 
@@ -123,31 +130,75 @@ class PeerServer:
         self.secret, self._accept, self._lookup = secret, accept, lookup
         self._take_over, self._holds, self._notice = take_over, holds, notice
         self._write = write
-        self.sock = socket.create_server((host, 0))
+        self.sock = socket.create_server((host, 0), backlog=128)
         self.address = self.sock.getsockname()[:2]
+        self._closed = False
+        self._lock = threading.Lock()
+        self._unproven = 0  # connections that have not answered the challenge yet
+        self.turned_away = 0  # connections closed at once: MAX_UNPROVEN were waiting already
+        self._said = wire.RateLog(log)
         threading.Thread(target=self._serve, name="ckptd-peers", daemon=True).start()
 
     def _serve(self) -> None:
-        while True:
+        """Accept until :meth:`close`, whatever the network throws at the port: an accept that
+        fails (out of file descriptors, a connection reset before it was accepted) is logged
+        and tried again after a pause; a connection beyond :data:`MAX_UNPROVEN` unauthenticated
+        ones is closed at once."""
+        pause = 0.0
+        while not self._closed:
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
+            except OSError as e:
+                if self._closed:
+                    return
+                pause = min(max(2 * pause, 0.05), 2.0)
+                self._said.warning("accept", "ckptd agent: the peer port could not accept a "
+                                   "connection (%s); trying again in %.2f s", e, pause)
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            with self._lock:
+                room = self._unproven < MAX_UNPROVEN
+                if room:
+                    self._unproven += 1
+                else:
+                    self.turned_away += 1
+            if not room:
+                conn.close()
+                self._said.warning("full", "ckptd agent: %d connections to the peer port are "
+                                   "still to answer its challenge; closed one from %s at once "
+                                   "(%d in all)", MAX_UNPROVEN, addr[0], self.turned_away)
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: refuse this one
+                self._proven()
+                conn.close()
+                self._said.warning("thread", "ckptd agent: a peer connection refused: %s", e)
+
+    def _proven(self) -> None:
+        with self._lock:
+            self._unproven -= 1
 
     def _handle(self, conn: socket.socket, addr: Any) -> None:
         finish: Finish | None = None
+        proven = False
         with conn:
             try:
-                conn.settimeout(60)
+                conn.settimeout(HANDSHAKE_S)  # an unauthenticated peer gets a short deadline
                 nonce = secrets.token_bytes(32)
                 wire.send(conn, {"nonce": nonce.hex()})
-                answer = wire.recv(conn, 4096).get("mac", "")  # before auth: small
+                # before authentication: small, shallow
+                answer = wire.recv(conn, 4096, max_depth=2).get("mac", "")
                 expected = hmac.new(self.secret, nonce, hashlib.sha256).hexdigest()
                 if not isinstance(answer, str) or not hmac.compare_digest(answer, expected):
-                    log.warning("ckptd agent: refused a peer at %s: not of this job", addr)
+                    self._said.warning(f"refused {addr[0]}", "ckptd agent: refused a peer at "
+                                       "%s: not of this job", addr[0])
                     wire.send(conn, {"ok": False, "error": "not of this job"})
                     return
+                proven = True
+                self._proven()
+                conn.settimeout(60)
                 wire.send(conn, {"ok": True})
                 header = wire.recv(conn, 64 << 20)
                 if header.get("op") == "read":
@@ -180,10 +231,15 @@ class PeerServer:
                 done(whole)  # kept (or written), or its memory goes back to the budget
                 wire.send(conn, {"ok": True} if whole else
                           {"ok": False, "error": "arrived damaged: checksum differs"})
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("ckptd agent: a peer copy from %s failed: %s", addr, e)
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+                what = "a peer copy" if proven else "an unauthenticated connection"
+                self._said.warning(f"failed {addr[0]}", "ckptd agent: %s from %s failed: %s",
+                                   what, addr[0], e)
                 if finish is not None:
                     finish(False)  # its memory goes back to the budget
+            finally:
+                if not proven:
+                    self._proven()
 
     def _reads(self, conn: socket.socket, header: dict[str, Any]) -> None:
         """Range reads of files held in memory, one after another on this connection until
@@ -212,6 +268,7 @@ class PeerServer:
                 return  # the reader is done
 
     def close(self) -> None:
+        self._closed = True
         self.sock.close()
 
 

@@ -78,7 +78,7 @@ class Peering:
     def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
         """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
         try:
-            return self.agent.memory.create(max(total, 1), f"{self.agent.node}+{what}")
+            return self.agent.memory.create(max(total, 1), self.agent.tag(what))
         except (OverBudget, OSError) as e:
             log.warning("ckptd agent: no room for node %s's rank %s step %s (%s): %s",
                         header.get("origin"), header.get("rank"), header.get("step"), what, e)

@@ -25,10 +25,12 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +39,8 @@ from ckptd.agent.memory import Memory
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peering import Peering
 from ckptd.agent.session import Flight, Session
-from ckptd.agent.shm import stale_segments, unlink
+from ckptd.agent.shm import remove_stale, unlink
+from ckptd.agent.upkeep import Upkeep, release_after_s
 from ckptd.errors import CkptdError
 from ckptd.manifest import catalog
 from ckptd.storage import Storage, open_storage
@@ -53,12 +56,17 @@ def grace_s() -> float:
 
 class Agent:
     def __init__(self, node: str, directory: str, idle_exit_s: float = 600.0,
-                 keep_in_memory: int = 1, budget: int | None = None) -> None:
+                 keep_in_memory: int = 1, budget: int | None = None,
+                 release_s: float | None = None) -> None:
         self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
         self.keep_in_memory = keep_in_memory
         self.memory = Memory(keep_in_memory, budget, self._give_back, self._owner_of)
+        self.upkeep = Upkeep(self.memory, idle_exit_s,
+                             release_s if release_s is not None else release_after_s())
         self.peering = Peering(self)  # the job's other agents (with CKPTD_JOB_SECRET)
         self.paths = wire.paths(node, directory)
+        self.instance = wire.instance(node)  # the node and its environment's digest
+        self.start_id = secrets.token_hex(4)
         self.stopping = threading.Event()
         self.deadline: float | None = None  # monotonic end of the grace window, once stopping
         self._lock = threading.Lock()
@@ -67,8 +75,8 @@ class Agent:
         self._busy = 0  # jobs accepted and not finished, over all sessions
         self._writing = 0  # bytes of the saves being written here (claim / release)
         self._runs: dict[str, int] = {}  # the same, by run id
+        self._root_jobs: Counter[str] = Counter()  # and by root
         self.shares = orphans.Shares()  # by attempt and rank, for peers' questions
-        self._idle_since = time.monotonic()
         self._storages: dict[str, Storage] = {}
         self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
         self._write_bps = 0.0  # measured: the newest job's files over their write time
@@ -80,6 +88,7 @@ class Agent:
         self.write_rate = float(os.environ.get("CKPTD_AGENT_WRITE_RATE", "0"))
         self._flights: set[Flight] = set()  # the saves being written here, for a stop
         self._warned: set[str] = set()  # warnings given once: a root (grace), an owner error
+        self._said = wire.RateLog(log)  # warnings a flood could repeat
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, lock_fd: int | None = None) -> int:
@@ -88,8 +97,7 @@ class Agent:
         if lock_fd is None:
             log.info("ckptd agent: another agent serves node %s", self.node)
             return 0
-        for path in stale_segments(self.node):  # a killed agent's; we hold the node's lock
-            unlink(path)
+        self._remove_stale_segments()
         self.peering.start()
         unlink(self.paths["sock"])  # a dead agent's; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -102,17 +110,35 @@ class Agent:
         listener.settimeout(0.2)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
-        log.info("ckptd agent %d serving node %s at %s (budget %s bytes; leaves %d bytes of "
-                 "the node's memory free)", os.getpid(), self.node, self.paths["sock"],
-                 self.memory.budget, self.memory.reserve)
+        log.info("ckptd agent %d (ckptd %s, code %s) serving node %s at %s (budget %s bytes; "
+                 "leaves %d bytes of the node's memory and %d of /dev/shm free; gives a root's "
+                 "steps back %.0f s after its last trainer, exits after %.0f idle s)",
+                 os.getpid(), wire.identity()["version"], wire.identity()["code"], self.node,
+                 self.paths["sock"], self.memory.budget, self.memory.reserve,
+                 self.memory.shm_reserve, self.upkeep.release_s, self.idle_exit_s)
+        pause = 0.0
         try:
             while not self.stopping.is_set():
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
-                    self._maybe_idle_exit()
+                    self._upkeep()
                     continue
-                self._open_session(conn)
+                except OSError as e:  # out of file descriptors, say: the trainer saves in
+                    # process meanwhile, and the agent stays for those it serves
+                    pause = min(max(2 * pause, 0.05), 2.0)
+                    self._said.warning("accept", "ckptd agent: could not accept a trainer (%s); "
+                                       "trying again in %.2f s", e, pause)
+                    self.stopping.wait(pause)
+                    continue
+                pause = 0.0
+                try:
+                    self._open_session(conn)
+                except OSError as e:  # it left before it was served
+                    conn.close()
+                    self._said.warning("session", "ckptd agent: a trainer's connection "
+                                       "failed: %s", e)
+                self._upkeep()  # (also when connections keep coming)
             log.info("ckptd agent: stopping; %.1f s of grace left", self.grace_left())
         finally:
             self.stop()  # the grace window bounds the drain even when serving failed
@@ -124,6 +150,20 @@ class Agent:
             os.close(lock_fd)
         log.info("ckptd agent %d stopped", os.getpid())
         return 0
+
+    def _remove_stale_segments(self) -> None:
+        """A killed agent's segments (this agent holds their node's lock: none is in use)."""
+        skipped = remove_stale(self.instance)
+        if skipped:
+            log.warning("ckptd agent: %d file(s) in shared memory named like this agent's and "
+                        "not removable, skipped (another user's? e.g. %s)", len(skipped),
+                        skipped[0])
+
+    def tag(self, what: str) -> str:
+        """The name of a new segment of this agent (its node and environment, this start's
+        random part, ``what``): a killed agent's are found by the next one, and no name of
+        another agent's, or another user's, is ever the same."""
+        return f"{self.instance}+{self.start_id}.{what}"
 
     def stop(self) -> None:
         """SIGTERM (async-signal-safe: no locks, no logging) or a ``stop`` request."""
@@ -235,14 +275,36 @@ class Agent:
             return None
         return owner.run if owner is not None else None
 
-    def _maybe_idle_exit(self) -> None:
+    def _in_use(self) -> tuple[set[str], int, int]:
+        """The roots of the connected trainers and of the running saves; the saves running;
+        the trainers connected."""
         with self._lock:
-            idle = not self._sessions and not self._busy
-            if not idle:
-                self._idle_since = time.monotonic()
-            elif time.monotonic() - self._idle_since >= self.idle_exit_s:
-                log.info("ckptd agent: idle for %.0f s, exiting", self.idle_exit_s)
-                self.stop()
+            roots = {s.root for s in self._sessions if s.root}
+            roots |= {r for r, n in self._root_jobs.items() if n}
+            return roots, self._busy, len(self._sessions)
+
+    def _upkeep(self) -> None:
+        roots, busy, sessions = self._in_use()
+        if self.upkeep.tick(roots, bool(busy or sessions)):
+            self.stop()
+
+    def retire(self, why: str) -> None:
+        """A trainer of another ckptd found this agent: serve the trainers it has, accept no
+        new one, and exit once idle (never under a save)."""
+        if self.upkeep.retiring is None:
+            log.warning("ckptd agent: retiring: %s; exiting once its %d trainer(s) left",
+                        why, self._in_use()[2])
+            self.upkeep.retiring = why
+
+    def status(self) -> dict[str, Any]:
+        """What ``ckptd agent --status`` shows (of the trainers connected, not the asker)."""
+        roots, busy, sessions = self._in_use()
+        sessions -= 1
+        return {"pid": os.getpid(), "node": self.node, **wire.identity(),
+                "log": self.paths["log"], "memory_used": self.memory.used,
+                "memory_budget": self.memory.budget, "memory_reserve": self.memory.reserve,
+                "shm_reserve": self.memory.shm_reserve,
+                **self.upkeep.status(roots, busy, sessions)}
 
     def _drain(self) -> None:
         """Before the agent exits: the connected trainers' last saves (they come after the
@@ -276,10 +338,17 @@ class Agent:
         session = Session(self, conn, pid)
         with self._lock:
             self._sessions.add(session)
-        threading.Thread(target=session.serve, name=f"ckptd-agent-{pid}", daemon=True).start()
+        try:
+            threading.Thread(target=session.serve, name=f"ckptd-agent-{pid}",
+                             daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: that trainer saves in process
+            self.session_ended(session)
+            conn.close()
+            self._said.warning("thread", "ckptd agent: refused a trainer: %s", e)
 
     # ------------------------------------------------------------------ shared by sessions
     def storage(self, spec: dict[str, Any]) -> Storage:
+        wire.check_root(spec.get("url"))
         key = json.dumps(spec, sort_keys=True)
         with self._lock:
             if key not in self._storages:
@@ -303,6 +372,7 @@ class Agent:
         self.shares.writing(job.attempt, job.rank, +1)
         with self._lock:
             self._busy += 1
+            self._root_jobs[job.root] += 1
             self._runs[job.run] = self._runs.get(job.run, 0) + 1
 
     def job_ended(self, job: JobKey) -> None:
@@ -312,8 +382,11 @@ class Agent:
         with self._lock:
             self._busy -= 1
             self._runs[job.run] -= 1
-            self._idle_since = time.monotonic()
+            self._root_jobs[job.root] -= 1
+            if not self._root_jobs[job.root]:
+                del self._root_jobs[job.root]
             self._idle.notify_all()
+        self.upkeep.used({job.root}, True)
 
     def give_up(self, spec: dict[str, Any], job: JobKey) -> Callable[[list[int]], str | None]:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot
@@ -324,13 +397,14 @@ class Agent:
     def session_ended(self, session: Session) -> None:
         with self._lock:
             self._sessions.discard(session)
-            self._idle_since = time.monotonic()
             self._idle.notify_all()
+        self.upkeep.used({session.root} if session.root else set(), True)
 
 
 def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,
-         budget: int | None = None, lock_fd: int | None = None) -> int:
-    return Agent(node, directory, idle_exit_s, keep_in_memory, budget).run(lock_fd)
+         budget: int | None = None, lock_fd: int | None = None,
+         release_s: float | None = None) -> int:
+    return Agent(node, directory, idle_exit_s, keep_in_memory, budget, release_s).run(lock_fd)
 
 
 __all__ = ["Agent", "main"]

@@ -105,8 +105,7 @@ class Session:
                     self._handle(msg)
                 except Exception as e:  # noqa: BLE001 - a bad request fails that request
                     log.warning("ckptd agent: request from pid %d failed: %s", self.pid, e)
-                    self.reply({"id": msg.get("id"), "op": "failed", "error": str(e),
-                                "kind": type(e).__name__})
+                    self.reply(wire.failure(msg.get("id"), e))
         finally:
             with self._send_lock:
                 self._open = False
@@ -135,7 +134,14 @@ class Session:
     def _handle(self, msg: dict[str, Any]) -> None:
         op, rid = msg.get("op"), msg.get("id")
         if op == "hello":
+            if self.agent.upkeep.retiring is not None:
+                self.reply({"id": rid, "op": "refused", "pid": os.getpid(),
+                            "error": f"the node agent (pid {os.getpid()}) is retiring "
+                                     f"({self.agent.upkeep.retiring})"})
+                return
             spec = msg.get("storage") or {}
+            if spec.get("url"):  # (``ckptd agent --status`` names no root)
+                wire.check_root(spec["url"])
             self.root = root_key(spec)
             if self.trainer is None and msg.get("run") is not None:
                 self.trainer = (str(msg["run"]), int(msg["rank"]))
@@ -149,12 +155,16 @@ class Session:
                 self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}",
                                               initializer=background)
             self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
-                        "version": remote.VERSION, "keep": self.agent.keep_in_memory,
-                        "peers": self.agent.peering.replicator is not None})
+                        "version": remote.VERSION, "identity": wire.identity(),
+                        "keep": self.agent.keep_in_memory,
+                        "peers": self.agent.peering.replicator is not None,
+                        "budget": self.agent.memory.budget, "log": self.agent.paths["log"],
+                        "idle_exit_s": self.agent.idle_exit_s,
+                        "release_s": self.agent.upkeep.release_s})
         elif op == "arena":
             nbytes = int(msg["nbytes"])
             self._next_segment += 1
-            seg = self.agent.memory.create(nbytes, f"{self.agent.node}+{self.pid}")
+            seg = self.agent.memory.create(nbytes, self.agent.tag(str(self.pid)))
             self.segments[self._next_segment] = seg
             self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
                         "path": seg.path})
@@ -196,6 +206,13 @@ class Session:
             if released:  # before the reply: the trainer has them back when it returns
                 self.reply({"op": "released", "segments": released})
             self.reply({"id": rid, "op": "committed"})
+        elif op == "settle":  # the trainer closes: the retention owed, after its last job
+            self._jobs.submit(self._settle_and_reply, rid)
+        elif op == "status":
+            self.reply({"id": rid, "op": "status", **self.agent.status()})
+        elif op == "retire":  # a trainer of another ckptd: exit once idle
+            self.agent.retire(str(msg.get("why", "another ckptd uses this node")))
+            self.reply({"id": rid, "op": "retiring"})
         elif op == "stop":
             self.agent.stop()
             self.agent.session_ended(self)  # the agent waits for trainers, not for who asked
@@ -267,7 +284,7 @@ class Session:
             remote.owe_retention(self._retention, storage, job)
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
-            self.reply({"id": rid, "op": "failed", "error": str(e), "kind": type(e).__name__})
+            self.reply(wire.failure(rid, e))
         finally:
             self.agent.release(claimed)
             self._job_done(seg_id)
@@ -310,6 +327,12 @@ class Session:
         window is for saves, and the next run's writer removes them."""
         if not self.agent.stopping.is_set():
             self._retention.settle()
+
+    def _settle_and_reply(self, rid: Any) -> None:
+        try:
+            self._settle_retention()
+        finally:
+            self.reply({"id": rid, "op": "settled"})
 
     def _job_done(self, seg_id: int) -> None:
         """A job on arena ``seg_id`` ended. If its trainer is gone, the step it kept is the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 
 import torch
 
@@ -107,15 +108,49 @@ def map_readonly(path: str) -> memoryview:
 
 def shm_free() -> int:
     """Free bytes where segments are created."""
+    return shm_space()[1]
+
+
+def shm_space() -> tuple[int, int]:
+    """The size and the free bytes of the filesystem where segments are created."""
     st = os.statvfs(_root())
-    return st.f_bavail * st.f_frsize
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def stale_segments(node: str) -> list[str]:
-    """The names of the segments an agent of ``node`` created (its tag starts ``<node>+``)."""
-    prefix = f"ckptd-{os.getuid()}-{node}+"
+def stale_segments(instance: str) -> tuple[list[str], list[str]]:
+    """The segments a killed agent named ``instance`` (:func:`ckptd.agent.wire.instance`) left
+    (names ``ckptd-<uid>-<instance>+...``), and the names of that form this user does not own
+    (planted by another user in the shared ``/dev/shm``; not removable, and never reused:
+    every agent's names carry a random part of its own)."""
+    prefix = f"ckptd-{os.getuid()}-{instance}+"
     root = _root()
-    return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(prefix)]
+    ours: list[str] = []
+    foreign: list[str] = []
+    for name in os.listdir(root):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        mine = st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode)
+        (ours if mine else foreign).append(path)
+    return ours, foreign
+
+
+def remove_stale(instance: str) -> list[str]:
+    """Remove the segments a killed agent named ``instance`` left; the names of that form that
+    could not be removed, or are not this user's (planted in the shared ``/dev/shm`` by
+    another: skipped — this agent's own names have a random part of their own and never meet
+    them)."""
+    stale, skipped = stale_segments(instance)
+    for path in stale:
+        try:
+            unlink(path)
+        except OSError:
+            skipped.append(path)
+    return skipped
 
 
 def unlink(path: str) -> None:
@@ -125,4 +160,5 @@ def unlink(path: str) -> None:
         pass
 
 
-__all__ = ["Segment", "map_readonly", "shm_free", "stale_segments", "unlink"]
+__all__ = ["Segment", "map_readonly", "remove_stale", "shm_free", "shm_space", "stale_segments",
+           "unlink"]

@@ -199,14 +199,13 @@ class Cluster:
 
     def agent_pid(self, name: str) -> int | None:
         """The pid of node ``name``'s ckptd agent, if one holds its lock."""
-        if self.agent_dir is None:
+        if self.agent_dir is None or not os.path.isdir(self.agent_dir):
             return None
-        try:
-            with open(wire.paths(self.node_id(name), self.agent_dir)["lock"]) as f:
-                text = f.read().strip()
-        except FileNotFoundError:
-            return None
-        return int(text) if text.isdigit() else None
+        for found in wire.node_agents(self.node_id(name), self.agent_dir):
+            pid = wire.lock_pid(found["lock"])
+            if pid is not None:
+                return pid
+        return None
 
     def _doomed(self, node: Node) -> set[tuple[int, str]]:
         """Every process of ``node``: its torchrun agent, the workers, its ckptd agent."""
@@ -293,8 +292,10 @@ class Cluster:
             time.sleep(0.05)
         self._kill(agents)
         for n in self.nodes:
-            for path in stale_segments(self.node_id(n.name)):
-                unlink(path)
+            for found in wire.node_agents(self.node_id(n.name), self.agent_dir):
+                instance = os.path.basename(found["lock"])[len("agent-"):-len(".lock")]
+                for path in stale_segments(instance)[0]:
+                    unlink(path)
         shutil.rmtree(self.agent_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:

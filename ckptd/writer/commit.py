@@ -122,6 +122,25 @@ def record_failure(
         log.warning("ckptd: could not record the failure of step %d at %s: %s", step, path, e)
 
 
+def publish_recorded(storage: Storage, signals: Signals, step: int, attempt: str, rank: int,
+                     error: BaseException) -> None:
+    """The node agent failed this rank's job and recorded why on storage: tell the process
+    group's store the same (the other ranks learn it at once, as when this process fails a save
+    itself). What it recorded (the rank's record, or the coordinator's FAILED marker), or, if
+    storage holds none (storage is what broke), this rank's share failure. Never raises."""
+    try:
+        path = (layout.failed_path(step, attempt) if rank == 0
+                else layout.rank_failed_path(step, attempt, rank))
+        found = _read_record(storage, path)
+    except Exception:  # noqa: BLE001 - then what this rank knows
+        found = None
+    if found is None:
+        kind = type(error).__name__
+        reason = " ".join(str(error).split()) or kind
+        found = kind, f"rank {rank} failed: {kind}: {reason}"
+    signals.publish_failure(attempt, *found)
+
+
 def _not_committed(step: int, kind: str, reason: str) -> CkptdError:
     """The error every rank raises for a failed attempt, with the class of the original."""
     cls = getattr(errors, kind, None)
@@ -157,6 +176,19 @@ def _failure(
         if failed:
             found = _read_record(storage, f"{layout.partials_dir(step, attempt)}/{failed[0]}")
     return None if found is None else _not_committed(step, *found)
+
+
+def attempt_failed(storage: Storage, step: int, attempt: str, signals: Signals) -> bool:
+    """Whether ``attempt`` failed for good: a rank published its failure, or the coordinator's
+    FAILED marker or a rank's record is in place (no commit, ``ckptd finalize`` included, can
+    use its files any more). Never raises: False when it cannot tell."""
+    try:
+        if signals.failure(attempt) is not None:
+            return True
+        names = storage.list_dir(layout.partials_dir(step, attempt))
+    except Exception:  # noqa: BLE001 - unknown: keep the files
+        return False
+    return layout.FAILED in names or any(layout.is_rank_failure(n) for n in names)
 
 
 # ----------------------------------------------------------------------------- the commit
@@ -220,15 +252,18 @@ def coordinate(
     overwrite: bool = False,
     signals: Signals | None = None,
     give_up: Callable[[list[int]], str | None] | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Wait for every rank's partial of ``attempt``, merge them, commit. A rank's failure record
     fails the step at once, naming that rank; so does ``give_up(missing ranks)`` returning why
     their shares cannot come (the node agent's: :mod:`ckptd.agent.orphans`). On failure, leave
-    a FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched."""
+    a FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched.
+    ``timeout_s``: how long to wait for the partials (default ``commit_timeout_s``)."""
     signals = signals or Signals(None)
     committed = False
+    timeout_s = config.get().commit_timeout_s if timeout_s is None else timeout_s
     try:
-        poller = Poller(storage, config.get().commit_timeout_s, coordinating=True)
+        poller = Poller(storage, timeout_s, coordinating=True)
         d = layout.partials_dir(step, attempt)
         while True:
             names = storage.list_dir(d)
@@ -250,7 +285,7 @@ def coordinate(
                         f"waiting: {exiting.reason()}; not committed")
                 raise CkptdError(
                     f"step {step}: ranks {missing} did not finish their share within "
-                    f"{config.get().commit_timeout_s:.0f}s; not committed"
+                    f"{timeout_s:.0f}s; not committed"
                 )
         with gcpause.paused():  # a thousand partials' objects: see ckptd/gcpause.py
             manifest = replace(merge(read_partials(storage, step, attempt)),

@@ -54,6 +54,12 @@ def begin(wait_s: float, why: str, *, follow_s: float | None = None) -> None:
         _cond.notify_all()
 
 
+def active() -> bool:
+    """Whether the process began exiting this way (:func:`begin`)."""
+    with _cond:
+        return _exit is not None
+
+
 def deadline(since: float, *, coordinating: bool) -> float | None:
     """When a wait that started at ``since`` (monotonic) must end; None while not exiting."""
     with _cond:

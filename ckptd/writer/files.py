@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptd import config
@@ -26,13 +27,28 @@ def _frames_of(view: memoryview, frame_bytes: int) -> Iterator[memoryview]:
         yield view[i : i + frame_bytes]
 
 
-def frame_size(nbytes: int, itemsize: int, frame_bytes: int) -> int:
+@dataclass(frozen=True)
+class Framing:
+    """How a save cuts its chunks into frames (``ckptd.config``'s ``frame_bytes``,
+    ``min_frame_bytes``, ``frames_per_chunk``): the saving process's settings, carried by a job
+    the node agent writes (the agent's own would make another checkpoint)."""
+
+    frame_bytes: int
+    min_frame_bytes: int
+    frames_per_chunk: int
+
+    @classmethod
+    def current(cls) -> Framing:
+        cfg = config.get()
+        return cls(cfg.frame_bytes, cfg.min_frame_bytes, cfg.frames_per_chunk)
+
+
+def frame_size(nbytes: int, itemsize: int, framing: Framing) -> int:
     """The frame size of a chunk of ``nbytes``: ``frame_bytes``, halved while the chunk has
-    fewer than ``frames_per_chunk`` frames, down to ``min_frame_bytes`` (``ckptd.config``);
-    always a multiple of ``itemsize``."""
-    cfg = config.get()
-    size = frame_bytes
-    while (size // 2 >= cfg.min_frame_bytes and size * cfg.frames_per_chunk > nbytes
+    fewer than ``frames_per_chunk`` frames, down to ``min_frame_bytes``; always a multiple of
+    ``itemsize``."""
+    size = framing.frame_bytes
+    while (size // 2 >= framing.min_frame_bytes and size * framing.frames_per_chunk > nbytes
            and size % (2 * itemsize) == 0):
         size //= 2
     return size
@@ -46,7 +62,7 @@ def write_file(
     plan: FilePlan,
     codec: str,
     level: int,
-    frame_bytes: int,
+    framing: Framing,
     rank: int,
 ) -> ChunkList:
     """Write one data file; return the chunks it holds (with their frames' checksums)."""
@@ -61,7 +77,7 @@ def write_file(
         frame_sizes = []
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
-            fb = frame_size(s.nbytes, s.piece.view.element_size(), frame_bytes)
+            fb = frame_size(s.nbytes, s.piece.view.element_size(), framing)
             for f in _frames_of(raw, fb):
                 pairs += (len(f), codecs.checksum_int(f))
             cuts.append(len(pairs) // 2)
@@ -78,7 +94,7 @@ def write_file(
     for s in plan.slots:
         raw = mem[s.offset : s.offset + s.nbytes]
         itemsize = s.piece.view.element_size()
-        fb = frame_size(s.nbytes, itemsize, frame_bytes)
+        fb = frame_size(s.nbytes, itemsize, framing)
         start = cursor
         encoded: list[tuple[int, int]] = []
         for f in _frames_of(raw, fb):

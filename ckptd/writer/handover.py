@@ -20,6 +20,7 @@ from ckptd.manifest import layout
 from ckptd.storage import Storage
 from ckptd.writer import exiting, remote
 from ckptd.writer.autocodec import AutoCodec
+from ckptd.writer.files import Framing
 from ckptd.writer.pipeline import RankWriter, stage
 from ckptd.writer.remote import AgentLost, Offload
 from ckptd.writer.staging import StagingPool
@@ -57,9 +58,9 @@ class AgentHandover:
         opts = self.options
         doc = remote.encode(
             job.share, rnd, codec=job.codec, level=self._writer.level,
-            frame_bytes=config.get().frame_bytes,
+            framing=Framing.current(),
             commit_=remote.Commit(opts.run_id, self.generation, job.overwrite, opts.keep_last,
-                                  opts.incarnation))
+                                  opts.incarnation, config.get().commit_timeout_s))
         try:
             job.ticket = self.offload.submit(job.arena.tensor, doc)
         except AgentLost as e:

@@ -29,7 +29,7 @@ from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.storage.base import gated
-from ckptd.writer.files import ChunkList, gather, write_file
+from ckptd.writer.files import ChunkList, Framing, gather, write_file
 from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
 from ckptd.writer.staging import Arena, StagingPool, copy_into
@@ -184,11 +184,14 @@ class RankWriter:
         *,
         stage_first: bool,
         codec: str | None = None,
+        framing: Framing | None = None,
     ) -> list[Future[ChunkList]]:
         """Hand each file of the round to an I/O thread; with ``stage_first``, stage each file's
         pieces just before, so the disk starts on file 0 while file 1 is being staged.
-        ``codec`` overrides the writer's for these files."""
+        ``codec`` overrides the writer's for these files; ``framing``: this process's settings
+        unless given (a job's, in the node agent)."""
         codec = codec or self.codec
+        framing = framing or Framing.current()
         futures: list[Future[ChunkList]] = []
         try:
             for plan in rnd.plans:
@@ -205,7 +208,7 @@ class RankWriter:
                         plan,
                         codec,
                         self.level,
-                        config.get().frame_bytes,
+                        framing,
                         share.rank,
                     )
                 )
@@ -313,11 +316,15 @@ class RankWriter:
                 on_round(i)
         return chunks
 
-    def discard(self, share: Share, files: int) -> None:
-        """Best effort: a failed save should not keep holding space (a full disk)."""
+    def discard(self, share: Share, files: int, *, partial: bool = False) -> None:
+        """Best effort: a failed save should not keep holding space (a full disk). ``partial``:
+        its partial manifest too (once the attempt failed for good: no commit can use it)."""
         names = [layout.data_file(share.attempt, share.rank, i) for i in range(files)]
-        for name in [*names, layout.frame_table(share.attempt, share.rank)]:
-            path = f"{layout.step_dir(share.step)}/{name}"
+        paths = [f"{layout.step_dir(share.step)}/{name}"
+                 for name in [*names, layout.frame_table(share.attempt, share.rank)]]
+        if partial:
+            paths.append(layout.partial_path(share.step, share.attempt, share.rank))
+        for path in paths:
             try:
                 self.storage.remove(path)
             except OSError as e:

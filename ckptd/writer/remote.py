@@ -26,7 +26,7 @@ from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer import commit, retention
-from ckptd.writer.files import ChunkList, gather
+from ckptd.writer.files import ChunkList, Framing, gather
 from ckptd.writer.pack import FilePlan, Slot
 from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
 from ckptd.writer.signals import Signals
@@ -118,6 +118,9 @@ class Offload(Protocol):
         """The trainer saw ``rank``'s ``step`` commit (a step the agent wrote but did not
         commit itself): older steps may go."""
 
+    def settle(self) -> None:
+        """The retention the agent owes (rank 0's), done now: the Saver closes."""
+
 
 @dataclass(frozen=True)
 class Held:
@@ -138,6 +141,7 @@ class Commit:
     overwrite: bool
     keep_last: int
     incarnation: str  # how the agent tells restarts apart (SaveOptions.incarnation)
+    timeout_s: float | None = None  # the saving process's commit_timeout_s (None: the agent's)
 
 
 def incarnation_of(commit_doc: dict[str, Any]) -> str:
@@ -145,8 +149,10 @@ def incarnation_of(commit_doc: dict[str, Any]) -> str:
     return str(commit_doc.get("incarnation") or commit_doc["run_id"])
 
 
-def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int,
+def encode(share: Share, rnd: Round, *, codec: str, level: int, framing: Framing,
            commit_: Commit) -> dict[str, Any]:
+    """The job: everything the agent needs to write it as the saving process would have —
+    the plan, the codec and the framing, the commit's parameters (never tensor data)."""
     return {
         "version": VERSION,
         "share": {
@@ -160,10 +166,12 @@ def encode(share: Share, rnd: Round, *, codec: str, level: int, frame_bytes: int
         "files": [{"index": p.index, "start": p.start, "end": p.end,
                    "slots": [[s.piece.name, list(s.piece.box.offsets), list(s.piece.box.sizes),
                               s.offset, s.nbytes] for s in p.slots]} for p in rnd.plans],
-        "codec": codec, "level": level, "frame_bytes": frame_bytes,
+        "codec": codec, "level": level, "frame_bytes": framing.frame_bytes,
+        "framing": {"min_frame_bytes": framing.min_frame_bytes,
+                    "frames_per_chunk": framing.frames_per_chunk},
         "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
                    "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
-                   "incarnation": commit_.incarnation},
+                   "incarnation": commit_.incarnation, "timeout_s": commit_.timeout_s},
     }
 
 
@@ -174,6 +182,7 @@ class Job:
     codec: str
     level: int
     commit: Commit
+    framing: Framing
 
 
 def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
@@ -202,10 +211,23 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> Job:
         plans.append(FilePlan(f["index"], f["start"], f["end"], slots))
     share = Share(s["step"], s["attempt"], s["rank"], s["world_size"], declared,
                   s["values"], s["locals"], s["training"])
-    c = doc["commit"]
+    c, f = doc["commit"], doc.get("framing") or {}
+    cfg = Framing.current()  # (a job without them: this process's)
+    framing = Framing(_positive(doc.get("frame_bytes", cfg.frame_bytes), "frame_bytes"),
+                      _positive(f.get("min_frame_bytes", cfg.min_frame_bytes), "min_frame_bytes"),
+                      _positive(f.get("frames_per_chunk", cfg.frames_per_chunk),
+                                "frames_per_chunk"))
+    timeout = c.get("timeout_s")
     return Job(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
                Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
-                      int(c["keep_last"]), incarnation_of(c)))
+                      int(c["keep_last"]), incarnation_of(c),
+                      None if timeout is None else float(timeout)), framing)
+
+
+def _positive(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CkptdError(f"agent job: {name} {value!r} is not a positive integer")
+    return value
 
 
 def file_ranges(job: Job) -> dict[str, tuple[int, int]]:
@@ -234,7 +256,8 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
     todo = Round([p for p in job.round.plans if p.index not in done], job.round.nbytes)
     t0 = time.perf_counter()
     try:
-        futures = writer.start_files(share, Arena(arena), todo, 0, stage_first=False)
+        futures = writer.start_files(share, Arena(arena), todo, 0, stage_first=False,
+                                     framing=job.framing)
         try:
             gather(futures)
         finally:
@@ -250,9 +273,15 @@ def run(storage: Storage, io: ThreadPoolExecutor, job: Job, arena: torch.Tensor,
         raise
     write_s = time.perf_counter() - t0
     if share.rank == 0:
-        commit.coordinate(storage, share.step, share.attempt, share.world_size,
-                          job.commit.run_id, generation=job.commit.generation,
-                          overwrite=job.commit.overwrite, give_up=give_up)
+        try:
+            commit.coordinate(storage, share.step, share.attempt, share.world_size,
+                              job.commit.run_id, generation=job.commit.generation,
+                              overwrite=job.commit.overwrite, give_up=give_up,
+                              timeout_s=job.commit.timeout_s)
+        except BaseException:
+            if commit.attempt_failed(storage, share.step, share.attempt, Signals(None)):
+                writer.discard(share, len(job.round.plans), partial=True)  # never committable
+            raise
     return {"nbytes": stored_bytes(chunks), "write_s": write_s}
 
 

@@ -268,6 +268,7 @@ class Saver(AgentHandover):
         close)."""
         h, share, opts = job.handle, job.share, self.options
         partial_written = False
+        agent_failed = False  # the agent reported the failure: it recorded it, and cleaned up
         on_agent: int | None = None  # the agent's stored bytes, once it did its part
         try:
             try:
@@ -276,8 +277,15 @@ class Saver(AgentHandover):
                 t_staged = time.perf_counter()
                 self._retention.settle()  # the previous commit's, now that no copy runs
                 if job.ticket is not None:
-                    on_agent = self._finish_on_agent(job)
-                    # the agent records its own failures; only a lost agent leaves it to us
+                    try:
+                        on_agent = self._finish_on_agent(job)
+                    except exiting.Abandoned:
+                        raise
+                    except BaseException:
+                        # the agent records its own failures; only a lost agent (which
+                        # _finish_on_agent carries on from) leaves it to us
+                        agent_failed = True
+                        raise
                     partial_written = True
                 if job.futures is not None:
                     job.chunks = gather(job.futures)
@@ -321,11 +329,19 @@ class Saver(AgentHandover):
             h.mark_failed(e)
             # best effort, after the error is delivered (an unreachable store retries every
             # request); this thread still finishes it before the next save
-            if not partial_written:  # once a partial names them, a commit may still use them
+            if agent_failed:  # it recorded the failure on storage: the store learns it too
+                commit.publish_recorded(self.storage, self.signals, share.step, share.attempt,
+                                        opts.rank, e)
+            elif not partial_written:  # once a partial names them, a commit may still use them
                 # this rank's share failed: tell the others, or they wait for the timeout
                 commit.record_failure(self.storage, self.signals, share.step, share.attempt,
                                       opts.rank, e)
                 self._writer.discard(share, n_files(job.rounds))
+            elif commit.attempt_failed(self.storage, share.step, share.attempt, self.signals):
+                # another rank's failure (a full disk, say) failed the step for good: no commit
+                # can use this share, whose bytes would otherwise fill the disk the next save
+                # needs (written here or by the node agent: the same names)
+                self._writer.discard(share, n_files(job.rounds), partial=True)
             return
         if opts.rank == 0 and on_agent is None:  # (the agent's own, if it committed)
             # deleting a large old step takes a while: not before "committed", and not while
@@ -363,6 +379,14 @@ class Saver(AgentHandover):
         background error)."""
         try:
             self.wait()
+            # every job is done: the retention the agent owes, as this process's own below
+            # (not after an error: a job abandoned at exit may still run in the agent)
+            if (self.offload is not None and self._local_pool is None and self.offload.alive
+                    and not exiting.active()):
+                try:
+                    self.offload.settle()
+                except CkptdError as e:
+                    log.warning("ckptd: the node agent did not settle retention: %s", e)
         finally:
             self._thread.submit(self._retention.settle)
             self._thread.shutdown(wait=True)
