@@ -206,3 +206,58 @@ def test_a_stream_per_reader_refuses_a_resume_on_another_number_of_readers(
     finally:
         again.close()
         again.ckpt.close()
+
+
+# --------------------------------------------------------------------------- a damaged position
+
+
+def _reseal_training(root: Path, step: int, **changes: Any) -> None:
+    """Change fields of a committed step's training metadata and seal the manifest again with a
+    valid digest (the digest guards against damage; the validation against a bad value)."""
+    from ckptd.manifest import layout
+    from ckptd.manifest.parse import whole_doc
+    from ckptd.manifest.schema import encode_doc
+
+    path = root / layout.manifest_path(step)
+    doc = whole_doc(path.read_bytes(), str(path))
+    doc["training"].update(changes)
+    path.write_bytes(encode_doc(doc))
+
+
+@pytest.mark.parametrize("bad", [True, 24.9, "24", -8, 10**30, None])
+def test_a_damaged_consumed_samples_is_refused_naming_the_field(
+        tmp_path: Path, clean_sigterm: None, bad: Any) -> None:
+    order = GlobalOrder(50, seed=7)
+    _phase(tmp_path, 3, 2, Tokens(50), order)  # 2 steps of global batch 12: 24 consumed
+    _reseal_training(tmp_path, 2, consumed_samples=bad)
+    with pytest.raises(ckptd.CkptdError, match=r"consumed_samples") as err:
+        _phase(tmp_path, 3, 1, Tokens(50), order)
+    assert "\n" not in str(err.value) and repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ShardedOrder([10.7, 5]), r"shard length .*10\.7"),
+    (lambda: ShardedOrder([True, 5]), r"shard length .*True"),
+    (lambda: ShardedOrder(["10", 5]), r"shard length .*'10'"),
+    (lambda: ShardedOrder([-1, 5]), r"shard length .*-1"),
+    (lambda: ShardedOrder([0, 0]), r"at least one record"),
+    (lambda: GlobalOrder(True), r"length .*True"),
+    (lambda: GlobalOrder(50.0), r"length .*50\.0"),
+    (lambda: GlobalOrder(0), r"at least one sample.*got 0"),
+    (lambda: GlobalOrder(1 << 62), r"length"),
+    (lambda: GlobalOrder(10, seed=True), r"seed"),
+])
+def test_an_order_refuses_lengths_that_are_not_integers(make: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_numpy_integers_are_lengths_and_seeds() -> None:
+    import numpy as np
+
+    assert GlobalOrder(np.int64(100), seed=np.uint32(3)).spec() == GlobalOrder(100, seed=3).spec()
+    assert [GlobalOrder(np.int64(10)).index(p) for p in range(10)] == \
+        [GlobalOrder(10).index(p) for p in range(10)]
+    sharded = ShardedOrder(np.array([3, 0, 4]), seed=np.int64(1))
+    assert sharded.spec() == ShardedOrder([3, 0, 4], seed=1).spec()
+    assert isinstance(sharded.index(0)[0], int) and isinstance(sharded.index(0)[1], int)

@@ -18,6 +18,7 @@ needs to seek. No torch here.
 from __future__ import annotations
 
 import bisect
+import operator
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
@@ -35,6 +36,23 @@ class DataMismatch(CkptdError, ValueError):
 
 ORDER_ALGORITHM = "feistel-xxh3-4r/1"  # part of the fingerprint: a change here changes orders
 ROUNDS = 4
+MAX_POSITION = 1 << 62  # lengths and stream positions: above this no dataset is real
+
+
+def integer(value: Any, what: str, lo: int = 0, hi: int = MAX_POSITION) -> int:
+    """``value`` as an int when it is an integer (a Python or numpy one, not a bool) in
+    ``[lo, hi)``; else ValueError naming ``what``."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # numpy's bool: TypeError
+    except TypeError:
+        n = None
+    if n is None or not lo <= n < hi:
+        raise ValueError(f"{what} must be an integer in [{lo}, {_bound(hi)}), got {value!r}")
+    return n
+
+
+def _bound(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n > 1 << 32 and n & (n - 1) == 0 else str(n)
 
 
 class Permutation:
@@ -68,9 +86,7 @@ class Permutation:
 
 
 def _check_seed(seed: int) -> int:
-    if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must be an integer in [0, 2^64), got {seed!r}")
-    return seed
+    return integer(seed, "seed", 0, 1 << 64)
 
 
 class GlobalOrder:
@@ -78,9 +94,8 @@ class GlobalOrder:
     ``length`` samples, epoch ``p // length`` shuffled by ``(seed, epoch)``."""
 
     def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True) -> None:
-        if not isinstance(length, int) or length < 1:
-            raise ValueError(f"a dataset needs at least one sample, got length {length!r}")
-        self.length, self.seed, self.shuffle = length, _check_seed(seed), shuffle
+        self.length = integer(length, "a dataset's length (at least one sample)", 1)
+        self.seed, self.shuffle = _check_seed(seed), shuffle
 
     def epoch(self, position: int) -> int:
         return position // self.length
@@ -103,9 +118,9 @@ class ShardedOrder:
 
     def __init__(self, shard_lengths: Sequence[int], *, seed: int = 0,
                  shuffle: bool = True) -> None:
-        lengths = [int(n) for n in shard_lengths]
-        if not lengths or any(n < 0 for n in lengths) or sum(lengths) < 1:
-            raise ValueError(f"shards need non-negative lengths and at least one record, got "
+        lengths = [integer(n, f"shard length {i}") for i, n in enumerate(shard_lengths)]
+        if sum(lengths) < 1 or sum(lengths) >= MAX_POSITION:
+            raise ValueError(f"shards need at least one record (and fewer than 2^62), got "
                              f"{list(shard_lengths)[:8]!r}")
         self.lengths, self.seed, self.shuffle = lengths, _check_seed(seed), shuffle
         self.length = sum(lengths)

@@ -35,6 +35,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckptd.data.order import integer
 from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec
 from ckptd.errors import CkptdError
 
@@ -190,7 +191,7 @@ class TrainingMeta:
                 reference=TrainingSpec.from_json(data.get("reference") or data["spec"]),
                 model=None if model is None else ModelSpec(**model),
                 policy=ElasticPolicy.from_json(data.get("policy") or {}),
-                consumed_samples=int(data["consumed_samples"]),
+                consumed_samples=integer(data["consumed_samples"], "consumed_samples"),
                 history=tuple(HistoryEntry.from_json(e) for e in data.get("history", [])),
                 losses=tuple((int(s), float(v)) for s, v in data.get("losses", [])),
                 loss_stride=int(data.get("loss_stride", 1)),
