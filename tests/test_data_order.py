@@ -29,15 +29,27 @@ from ckptd.data import (
     ShardedOrder,
     StreamOrder,
 )
-from ckptd.data.order import Permutation
+from ckptd.data.permutation import ALGORITHMS, LEGACY, Feistel, permutation, round_keys
 
 examples = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @examples
-@given(st.integers(1, 3000), st.integers(0, 2**64 - 1), st.integers(0, 50))
-def test_a_permutation_is_a_bijection_of_its_range(n: int, seed: int, epoch: int) -> None:
-    p = Permutation(n, (seed, epoch))
+@given(st.integers(1, 5000), st.integers(0, 2**64 - 1), st.integers(0, 50),
+       st.sampled_from(ALGORITHMS))
+def test_a_permutation_is_a_bijection_of_its_range(n: int, seed: int, epoch: int,
+                                                   algorithm: str) -> None:
+    p = permutation(n, (seed, epoch), algorithm=algorithm)
+    assert sorted(p(i) for i in range(n)) == list(range(n))
+    with pytest.raises(IndexError):
+        p(n)
+
+
+@examples
+@given(st.integers(2, 3000), st.integers(0, 2**64 - 1))
+def test_the_computed_permutation_is_a_bijection_at_every_size(n: int, seed: int) -> None:
+    """The Feistel network serves 4096 elements and more; its arithmetic holds at any size."""
+    p = Feistel(n, round_keys((seed,), 8))
     assert sorted(p(i) for i in range(n)) == list(range(n))
 
 
@@ -48,26 +60,51 @@ def test_orders_depend_on_seed_and_epoch_and_not_on_anything_else() -> None:
     assert first != [b.index(p) for p in range(1000)]
     assert first != [a.index(p) for p in range(1000, 2000)]  # the next epoch is reshuffled
     assert [GlobalOrder(10, shuffle=False).index(p) for p in range(12)] == [*range(10), 0, 1]
-    # fixed values: the order is part of the format (a change here breaks every resume)
-    assert [GlobalOrder(10, seed=3).index(p) for p in range(10)] == [6, 1, 4, 3, 8, 0, 5, 2, 7, 9]
+    # fixed values: the order is part of the format (a change here breaks every resume), an
+    # exact shuffle below 4096 samples and a computed one above; and the legacy algorithm's
+    # orders are those of the ckptd versions that had it
+    assert [GlobalOrder(10, seed=3).index(p) for p in range(10)] == [0, 8, 7, 9, 6, 4, 1, 2, 3, 5]
+    assert [GlobalOrder(5000, seed=11).index(p) for p in (0, 1, 2, 4999, 5000, 12345)] == \
+        [1356, 4176, 98, 4859, 3019, 1324]
+    assert [GlobalOrder(10, seed=3, algorithm=LEGACY).index(p) for p in range(10)] == \
+        [6, 1, 4, 3, 8, 0, 5, 2, 7, 9]
+    assert [GlobalOrder(5000, seed=11, algorithm=LEGACY).index(p)
+            for p in (0, 1, 2, 4999, 5000, 12345)] == [1020, 3177, 4335, 4080, 2813, 2618]
+    sharded = ShardedOrder([3, 0, 5, 2], seed=4)
+    assert [sharded.index(p) for p in range(10)] == [
+        (2, 4), (0, 1), (2, 0), (2, 1), (0, 0), (3, 1), (2, 2), (0, 2), (2, 3), (3, 0)]
+    legacy = ShardedOrder([3, 0, 5, 2], seed=4, algorithm=LEGACY)
+    assert [legacy.index(p) for p in range(10)] == [
+        (3, 0), (3, 1), (0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
+    assert legacy.spec()["shard_lengths"] == "7e42df7fa2e3a2d3"
 
 
 @examples
-@given(st.lists(st.integers(0, 7), min_size=1, max_size=12).filter(lambda xs: sum(xs) > 0),
-       st.integers(0, 1000), st.booleans())
-def test_a_sharded_order_reads_every_record_once_per_epoch_each_shard_in_sequence(
-        lengths: list[int], seed: int, shuffle: bool) -> None:
-    order = ShardedOrder(lengths, seed=seed, shuffle=shuffle)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=40).filter(lambda xs: sum(xs) > 0),
+       st.integers(0, 1000), st.integers(1, 6))
+def test_a_sharded_order_reads_every_record_once_per_epoch_a_few_shards_at_a_time(
+        lengths: list[int], seed: int, block: int) -> None:
+    order = ShardedOrder(lengths, seed=seed, block_shards=block)
     total = sum(lengths)
     for epoch in range(2):
         got = [order.index(p) for p in range(epoch * total, (epoch + 1) * total)]
         assert sorted(got) == [(s, o) for s, n in enumerate(lengths) for o in range(n)]
-        runs: dict[int, list[int]] = {}
-        for s, o in got:
-            runs.setdefault(s, []).append(o)
-        assert all(offsets == list(range(len(offsets))) for offsets in runs.values())
-        shard_sequence = [s for i, (s, _) in enumerate(got) if i == 0 or got[i - 1][0] != s]
-        assert len(shard_sequence) == len(set(shard_sequence))  # a shard is read in one go
+        # every shard's records lie in one stretch of the epoch where at most `block` shards
+        # are read: a reader holds a few shards at a time
+        span = {s: (min(i for i, (t, _) in enumerate(got) if t == s),
+                    max(i for i, (t, _) in enumerate(got) if t == s)) for s, _ in got}
+        for lo, hi in span.values():
+            assert len({s for s, _ in got[lo:hi + 1]}) <= block
+
+
+@examples
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=12).filter(lambda xs: sum(xs) > 0),
+       st.sampled_from(ALGORITHMS))
+def test_an_unshuffled_sharded_order_reads_the_shards_as_listed(lengths: list[int],
+                                                                algorithm: str) -> None:
+    order = ShardedOrder(lengths, shuffle=False, algorithm=algorithm)
+    records = [(s, o) for s, n in enumerate(lengths) for o in range(n)]
+    assert [order.index(p) for p in range(2 * len(records))] == records * 2
 
 
 class _Positions:

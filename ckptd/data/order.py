@@ -2,30 +2,30 @@
 stream is sample ``order.index(p)``, whoever reads it.
 
 The stream is epochs back to back: position ``p`` is in epoch ``p // length``, and each epoch is
-a permutation of the dataset drawn from ``(seed, epoch)``. The permutation is computed, not
-stored: a 4-round Feistel network over the smallest even power of two that holds the dataset,
-keyed by xxh3 of ``(seed, epoch, round)``, with cycle walking to stay inside ``[0, length)``
-(a permutation of a superset, restricted by walking, is a permutation of the set). So a position
-maps to its sample in O(1) time and memory — a billion-sample dataset needs no index array — and
-the same seed gives the same order on every machine and every version of torch.
+a permutation of the dataset drawn from ``(seed, epoch)`` (``permutation.py``: exact below 4096
+samples, computed in O(1) time and memory above). A billion-sample dataset needs no index array,
+and the same seed gives the same order on every machine and every version of torch.
 
 :class:`ShardedOrder` is the same idea for data stored as files (shards) of known lengths: each
-epoch reads the shards in a permuted order, each shard from its start, so a position is a
-``(shard, offset)`` — what a reader of record files with an index, or of token-packed arrays,
-needs to seek. No torch here.
+epoch shuffles the shards, groups them in blocks of a few, and reads each block's records in a
+shuffled order, so that a batch mixes shards while a reader needs only a few at a time; a
+position is a ``(shard, offset)`` — what a reader of record files with an index, or of
+token-packed arrays, needs to seek. The layout of an epoch is computed once (O(shards)); a
+position then costs two binary searches and one permutation. No torch here.
 """
 
 from __future__ import annotations
 
-import bisect
 import operator
-import struct
+from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import xxhash
 
+from ckptd.data.permutation import ALGORITHM, ALGORITHMS, LEGACY, Permutation, permutation, shuffled
 from ckptd.errors import CkptdError
 
 
@@ -34,8 +34,9 @@ class DataMismatch(CkptdError, ValueError):
     algorithm), or cannot be continued exactly on the new world."""
 
 
-ORDER_ALGORITHM = "feistel-xxh3-4r/1"  # part of the fingerprint: a change here changes orders
-ROUNDS = 4
+ORDER_ALGORITHM = ALGORITHM  # part of the fingerprint: a change here changes orders
+BLOCK_SHARDS = 16  # a ShardedOrder's default: shards per shuffle block
+_KEEP_EPOCHS = 2  # per order: the epoch being read and the next (a batch may straddle them)
 MAX_POSITION = 1 << 62  # lengths and stream positions: above this no dataset is real
 
 
@@ -55,95 +56,181 @@ def _bound(n: int) -> str:
     return f"2^{n.bit_length() - 1}" if n > 1 << 32 and n & (n - 1) == 0 else str(n)
 
 
-class Permutation:
-    """A permutation of ``[0, n)`` drawn from ``key`` (integers); identity when not
-    ``shuffle``."""
-
-    __slots__ = ("n", "key", "shuffle", "_half", "_mask")
-
-    def __init__(self, n: int, key: tuple[int, ...], shuffle: bool = True) -> None:
-        self.n, self.key, self.shuffle = n, key, shuffle
-        self._half = (max(2, (n - 1).bit_length()) + 1) // 2  # each Feistel half, in bits
-        self._mask = (1 << self._half) - 1
-
-    def _encrypt(self, x: int) -> int:
-        fmt = f"<{len(self.key) + 2}Q"
-        left, right = x >> self._half, x & self._mask
-        for r in range(ROUNDS):
-            f = xxhash.xxh3_64_intdigest(struct.pack(fmt, *self.key, r, right)) & self._mask
-            left, right = right, left ^ f
-        return (left << self._half) | right
-
-    def __call__(self, i: int) -> int:
-        if not 0 <= i < self.n:
-            raise IndexError(f"{i} is outside [0, {self.n})")
-        if not self.shuffle or self.n == 1:
-            return i
-        x = self._encrypt(i)
-        while x >= self.n:  # the domain is below 4 n: a few steps on average
-            x = self._encrypt(x)
-        return x
-
-
 def _check_seed(seed: int) -> int:
     return integer(seed, "seed", 0, 1 << 64)
 
 
+def _check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown order algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    return algorithm
+
+
+class _Epochs:
+    """What an order computes once per epoch, kept for the last few epochs."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, Any] = {}
+
+    def get(self, epoch: int, make: Any) -> Any:
+        got = self._kept.get(epoch)
+        if got is None:
+            got = self._kept[epoch] = make(epoch)
+            while len(self._kept) > _KEEP_EPOCHS:
+                del self._kept[next(iter(self._kept))]
+        return got
+
+
 class GlobalOrder:
     """Map-style data: position ``p`` of the stream is sample ``index(p)`` of a dataset of
-    ``length`` samples, epoch ``p // length`` shuffled by ``(seed, epoch)``."""
+    ``length`` samples, epoch ``p // length`` shuffled by ``(seed, epoch)``. ``algorithm``: the
+    newest by default; an older one (:data:`~ckptd.data.permutation.ALGORITHMS`) reproduces the
+    orders of the ckptd versions that had it."""
 
-    def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True,
+                 algorithm: str = ORDER_ALGORITHM) -> None:
         self.length = integer(length, "a dataset's length (at least one sample)", 1)
         self.seed, self.shuffle = _check_seed(seed), shuffle
+        self.algorithm = _check_algorithm(algorithm)
+        self._epochs = _Epochs()
 
     def epoch(self, position: int) -> int:
         return position // self.length
+
+    def _permutation(self, epoch: int) -> Permutation:
+        return permutation(self.length, (self.seed, epoch), shuffle=self.shuffle,
+                           algorithm=self.algorithm)
 
     def index(self, position: int) -> int:
         if position < 0:
             raise IndexError(f"stream position {position} < 0")
         epoch, i = divmod(position, self.length)
-        return _permutation(self.length, (self.seed, epoch), self.shuffle)(i)
+        perm: Permutation = self._epochs.get(epoch, self._permutation)
+        return perm(i)
 
     def spec(self) -> dict[str, Any]:
         """The fingerprint saved with a checkpoint (see :func:`check_spec`)."""
-        return _spec("global", length=self.length, seed=self.seed, shuffle=self.shuffle)
+        return {"kind": "global", "algorithm": self.algorithm, "length": self.length,
+                "seed": self.seed, "shuffle": self.shuffle}
 
 
 class ShardedOrder:
-    """Data in shards (files) of known lengths: each epoch visits the shards in an order
-    shuffled by ``(seed, epoch)`` (or as listed with ``shuffle=False``), each shard read from its
-    first record to its last. ``index(p)`` is ``(shard, offset)``."""
+    """Data in shards (files) of known record counts; ``index(p)`` is ``(shard, offset)``.
 
-    def __init__(self, shard_lengths: Sequence[int], *, seed: int = 0,
-                 shuffle: bool = True) -> None:
-        lengths = [integer(n, f"shard length {i}") for i, n in enumerate(shard_lengths)]
-        if sum(lengths) < 1 or sum(lengths) >= MAX_POSITION:
-            raise ValueError(f"shards need at least one record (and fewer than 2^62), got "
+    Each epoch shuffles the shards by ``(seed, epoch)``, cuts that sequence into blocks of at
+    most ``block_shards`` shards (as even as can be), and reads the blocks one after another,
+    the records of a block in an order shuffled by ``(seed, epoch, block)``: a batch draws from
+    up to ``block_shards`` shards, and a reader holds that many at a time. ``block_shards=1``
+    shuffles each shard on its own; with ``shuffle=False`` the shards are read as listed, each
+    from its first record to its last. Empty shards are allowed (never read).
+    """
+
+    def __init__(self, shard_lengths: Sequence[int], *, seed: int = 0, shuffle: bool = True,
+                 block_shards: int = BLOCK_SHARDS, algorithm: str = ORDER_ALGORITHM) -> None:
+        self.lengths = _shard_lengths(shard_lengths)
+        self.length = int(self.lengths.sum())
+        if not 1 <= self.length < MAX_POSITION:
+            raise ValueError(f"shards need at least one record (and fewer than 2^62 in all), got "
                              f"{list(shard_lengths)[:8]!r}")
-        self.lengths, self.seed, self.shuffle = lengths, _check_seed(seed), shuffle
-        self.length = sum(lengths)
+        self.seed, self.shuffle = _check_seed(seed), shuffle
+        self.block_shards = integer(block_shards, "block_shards", 1)
+        self.algorithm = _check_algorithm(algorithm)
+        self._nonempty = np.flatnonzero(self.lengths)
+        self._epochs = _Epochs()
 
     def epoch(self, position: int) -> int:
         return position // self.length
 
-    def _layout(self, epoch: int) -> tuple[list[int], list[int]]:
-        return _shard_layout(tuple(self.lengths), self.seed, epoch, self.shuffle)
+    def _layout(self, epoch: int) -> _Layout | _LayoutV1:
+        if self.algorithm == LEGACY:
+            return _LayoutV1(self, epoch)
+        return _Layout(self, epoch)
 
     def index(self, position: int) -> tuple[int, int]:
         if position < 0:
             raise IndexError(f"stream position {position} < 0")
         epoch, i = divmod(position, self.length)
-        order, starts = self._layout(epoch)
-        k = bisect.bisect_right(starts, i) - 1
-        return order[k], i - starts[k]
+        layout: _Layout | _LayoutV1 = self._epochs.get(epoch, self._layout)
+        return layout.index(i)
 
     def spec(self) -> dict[str, Any]:
-        lengths = struct.pack(f"<{len(self.lengths)}Q", *self.lengths)
-        return _spec("sharded", length=self.length, seed=self.seed, shuffle=self.shuffle,
-                     shards=len(self.lengths),
-                     shard_lengths=f"{xxhash.xxh3_64_intdigest(lengths):016x}")
+        lengths = self.lengths.astype("<u8").tobytes()
+        spec = {"kind": "sharded", "algorithm": self.algorithm, "length": self.length,
+                "seed": self.seed, "shuffle": self.shuffle, "shards": len(self.lengths),
+                "shard_lengths": f"{xxhash.xxh3_64_intdigest(lengths):016x}"}
+        if self.algorithm != LEGACY:
+            spec["block_shards"] = self.block_shards
+        return spec
+
+
+def _shard_lengths(given: Sequence[int]) -> np.ndarray:
+    """The record counts as an int64 array, each an integer in [0, 2^62) (numpy ones too)."""
+    if isinstance(given, np.ndarray) and given.dtype.kind in "iu" and given.ndim == 1:
+        bad = np.flatnonzero((given < 0) | (given >= MAX_POSITION))
+        if len(bad):
+            integer(given[bad[0]], f"shard length {bad[0]}")  # raises, naming it
+        return given.astype(np.int64)
+    return np.array([integer(n, f"shard length {i}") for i, n in enumerate(given)],
+                    dtype=np.int64)
+
+
+class _Layout:
+    """One epoch of a :class:`ShardedOrder`: the shuffled shards (empty ones left out), where
+    each block of them starts in the epoch, and the last few blocks read (their shards, where
+    each starts inside the block, the block's permutation)."""
+
+    def __init__(self, order: ShardedOrder, epoch: int) -> None:
+        ids = order._nonempty
+        if order.shuffle:
+            ids = ids[shuffled(len(ids), (order.seed, epoch, 1))]
+        self.shards = ids.astype(np.int32 if len(ids) < 1 << 31 else np.int64)
+        n = len(ids)
+        self.blocks = -(-n // order.block_shards)
+        bounds = np.arange(self.blocks + 1, dtype=np.int64) * n // self.blocks
+        ends = np.cumsum(order.lengths[ids])
+        self.starts = array("q", [0])
+        self.starts.frombytes(ends[bounds[1:] - 1].astype(np.int64).tobytes())
+        self._order, self._epoch = order, epoch
+        self._read: dict[int, tuple[list[int], list[int], Permutation]] = {}
+
+    def _block(self, j: int) -> tuple[list[int], list[int], Permutation]:
+        got = self._read.get(j)
+        if got is None:
+            n, o = len(self.shards), self._order
+            shards = self.shards[j * n // self.blocks:(j + 1) * n // self.blocks]
+            ends = np.cumsum(o.lengths[shards]).tolist()
+            got = (shards.tolist(), [0, *ends[:-1]],
+                   permutation(ends[-1], (o.seed, self._epoch, 2, j), shuffle=o.shuffle))
+            self._read[j] = got
+            if len(self._read) > 4:
+                del self._read[next(iter(self._read))]
+        return got
+
+    def index(self, i: int) -> tuple[int, int]:
+        j = bisect_right(self.starts, i) - 1
+        shards, starts, perm = self._block(j)
+        r = perm(i - self.starts[j])
+        k = bisect_right(starts, r) - 1
+        return shards[k], r - starts[k]
+
+
+class _LayoutV1:
+    """One epoch of a :class:`ShardedOrder` of the legacy algorithm: the shards in a permuted
+    order, each from its first record to its last (no blocks)."""
+
+    def __init__(self, order: ShardedOrder, epoch: int) -> None:
+        lengths = order.lengths.tolist()
+        perm = permutation(len(lengths), (order.seed, epoch, 1), shuffle=order.shuffle,
+                           algorithm=LEGACY)
+        self.shards = [s for s in map(perm, range(len(lengths))) if lengths[s]]
+        self.starts, at = [], 0
+        for s in self.shards:
+            self.starts.append(at)
+            at += lengths[s]
+
+    def index(self, i: int) -> tuple[int, int]:
+        k = bisect_right(self.starts, i) - 1
+        return self.shards[k], i - self.starts[k]
 
 
 class StreamOrder:
@@ -154,34 +241,12 @@ class StreamOrder:
     with another number of readers fail loudly instead of silently changing the order."""
 
     def __init__(self, readers: int, *, seed: int = 0) -> None:
-        if not isinstance(readers, int) or readers < 1:
-            raise ValueError(f"readers must be a positive integer, got {readers!r}")
-        self.readers, self.seed = readers, _check_seed(seed)
+        self.readers = integer(readers, "readers", 1)
+        self.seed = _check_seed(seed)
 
     def spec(self) -> dict[str, Any]:
-        return _spec("per-reader-streams", readers=self.readers, seed=self.seed)
-
-
-@lru_cache(maxsize=64)
-def _permutation(n: int, key: tuple[int, ...], shuffle: bool) -> Permutation:
-    return Permutation(n, key, shuffle)
-
-
-@lru_cache(maxsize=4)
-def _shard_layout(lengths: tuple[int, ...], seed: int, epoch: int,
-                  shuffle: bool) -> tuple[list[int], list[int]]:
-    """The shards of ``epoch`` in reading order (empty ones left out) and where each starts."""
-    perm = Permutation(len(lengths), (seed, epoch, 1), shuffle)
-    order = [s for s in (perm(i) for i in range(len(lengths))) if lengths[s]]
-    starts, at = [], 0
-    for s in order:
-        starts.append(at)
-        at += lengths[s]
-    return order, starts
-
-
-def _spec(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"kind": kind, "algorithm": ORDER_ALGORITHM, **fields}
+        return {"kind": "per-reader-streams", "algorithm": ORDER_ALGORITHM,
+                "readers": self.readers, "seed": self.seed}
 
 
 def check_spec(saved: dict[str, Any] | None, current: dict[str, Any], *,
