@@ -9,6 +9,7 @@ with their ranks, as each of them would build it).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -181,7 +182,7 @@ def _resume(root: Path, world: int, rank: int) -> elastic.ElasticRun:
 
 
 def _phase(root: Path, world: int, steps: int, data: Dataset[torch.Tensor],
-           order: GlobalOrder, **kw: Any) -> list[int]:
+           order: GlobalOrder | ShardedOrder, **kw: Any) -> list[int]:
     """``steps`` optimizer steps on ``world`` data-parallel ranks (each a resume of the same
     checkpoint, as each rank of a restarted job is), then rank 0 saves. The indices read."""
     read: list[int] = []
@@ -223,8 +224,117 @@ def test_a_resume_with_another_dataset_names_what_changed(
     with pytest.raises(DataMismatch, match=r"seed 7 -> 8"):
         _phase(tmp_path, 2, 1, Tokens(50), GlobalOrder(50, seed=8))
     read = _phase(tmp_path, 2, 1, Tokens(60), GlobalOrder(60, seed=7), allow_data_change=True)
-    # the same stream position (12) in the new order
-    assert Counter(read) == Counter(GlobalOrder(60, seed=7).index(p) for p in range(12, 24))
+    # the epoch in progress goes on under the order it started with
+    assert Counter(read) == Counter(GlobalOrder(50, seed=7).index(p) for p in range(12, 24))
+
+
+# --------------------------------------------------------------------------- data changes
+
+
+def _reads(*parts: tuple[GlobalOrder | ShardedOrder, range]) -> Counter[Any]:
+    return Counter(_key(order.index(p)) for order, positions in parts for p in positions)
+
+
+def _key(index: Any) -> int:
+    return index[0] * 1000 + index[1] if isinstance(index, tuple) else index
+
+
+class Records(Dataset[torch.Tensor]):
+    """Sharded records: ``(shard, offset)`` reads as ``shard * 1000 + offset``."""
+
+    def __getitem__(self, at: tuple[int, int]) -> torch.Tensor:
+        return torch.tensor([_key(at)])
+
+    def __len__(self) -> int:
+        raise TypeError("read through a batch sampler only")
+
+
+def test_a_seed_change_mid_epoch_repeats_and_skips_nothing_in_that_epoch(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    """Seed 7 -> 8 at position 72 of 97: the rest of epoch 0 is seed 7's, epoch 1 is seed 8's.
+    (Continuing at position 72 of seed 8's order, as before, repeated 20 samples of epoch 0 and
+    never reached 20 others.)"""
+    old, new = GlobalOrder(97, seed=7), GlobalOrder(97, seed=8)
+    first = _phase(tmp_path, 3, 6, Tokens(97), old)  # positions 0..71
+    second = _phase(tmp_path, 2, 11, Tokens(97), new, allow_data_change=True)  # 72..203
+    assert Counter(second) == _reads((old, range(72, 97)), (new, range(97, 204)))
+    # epochs 0 and 1: every sample exactly once in each (and 10 positions of epoch 2)
+    assert Counter(first) + Counter(second) == Counter({i: 2 for i in range(97)}) + _reads(
+        (new, range(194, 204)))
+    history = ckptd.Checkpointer(str(tmp_path), read_only=True).read_manifest(17).training
+    meta = elastic.TrainingMeta.from_json(history)
+    assert [meta.epoch(p) for p in (72, 96, 97, 193, 194)] == [0, 0, 1, 1, 2]
+
+
+def test_more_samples_mid_epoch_start_with_the_next_epoch(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    """97 -> 120 samples at position 72: the 97-sample epoch finishes, then the 120-sample
+    order's epoch 1 (its own positions 120..239) follows from stream position 97."""
+    old, new = GlobalOrder(97, seed=7), GlobalOrder(120, seed=7)
+    _phase(tmp_path, 3, 6, Tokens(97), old)
+    second = _phase(tmp_path, 2, 11, Tokens(120), new, allow_data_change=True)
+    assert Counter(second) == _reads((old, range(72, 97)), (new, range(120, 227)))
+
+
+def test_a_resume_while_an_epoch_finishes_keeps_finishing_it(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    old, new = GlobalOrder(97, seed=7), GlobalOrder(97, seed=8)
+    _phase(tmp_path, 3, 6, Tokens(97), old)
+    _phase(tmp_path, 2, 1, Tokens(97), new, allow_data_change=True)  # 72..83
+    third = _phase(tmp_path, 3, 3, Tokens(97), new)  # the saved order now: no flag
+    assert Counter(third) == _reads((old, range(84, 97)), (new, range(97, 120)))
+    with pytest.raises(DataMismatch, match="seed 8 -> 9"):  # a change is still a change
+        _phase(tmp_path, 3, 1, Tokens(97), GlobalOrder(97, seed=9))
+
+
+def test_a_change_at_an_epoch_boundary_takes_effect_at_once(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    old, new = GlobalOrder(48, seed=7), GlobalOrder(48, seed=8)
+    _phase(tmp_path, 3, 4, Tokens(48), old)  # exactly epoch 0
+    second = _phase(tmp_path, 2, 2, Tokens(48), new, allow_data_change=True)
+    assert Counter(second) == _reads((new, range(48, 72)))
+
+
+def test_a_shrunk_dataset_mid_epoch_is_refused_with_what_now_would_skip(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    old, new = GlobalOrder(97, seed=7), GlobalOrder(80, seed=7)
+    _phase(tmp_path, 3, 6, Tokens(97), old)
+    with pytest.raises(DataMismatch) as err:
+        _phase(tmp_path, 2, 1, Tokens(80), new, allow_data_change=True)
+    message = str(err.value)
+    assert "length 97 -> 80" in message and "epoch 0 (stream position 72: 72 of its 97" in message
+    assert "shrank from 97 to 80 samples" in message and "reads samples 80..96" in message
+    assert "allow_data_change='now' starts epoch 1" in message
+    assert "the 25 positions left of epoch 0 are not read" in message and "\n" not in message
+    second = _phase(tmp_path, 2, 2, Tokens(80), new, allow_data_change="now")
+    assert Counter(second) == _reads((new, range(80, 104)))  # epoch 1 of 80 from position 72
+    with pytest.raises(ValueError, match="allow_data_change must be"):
+        _phase(tmp_path, 2, 1, Tokens(80), new, allow_data_change="later")
+
+
+def test_an_order_of_an_older_algorithm_finishes_its_epoch_then_upgrades(
+        tmp_path: Path, clean_sigterm: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint of a ckptd whose orders were algorithm 1: no flag needed, the epoch in
+    progress finishes under algorithm 1 (exactly once), algorithm 2 from the next; an order
+    that asks for algorithm 1 keeps it."""
+    v1, v2 = GlobalOrder(97, seed=7, algorithm=LEGACY), GlobalOrder(97, seed=7)
+    _phase(tmp_path, 3, 6, Tokens(97), v1)
+    assert Counter(_phase(tmp_path, 3, 1, Tokens(97), v1)) == _reads((v1, range(72, 84)))
+    with caplog.at_level("WARNING", logger="ckptd.elastic"):
+        second = _phase(tmp_path, 2, 10, Tokens(97), v2)
+    assert Counter(second) == _reads((v1, range(84, 97)), (v2, range(97, 204)))
+    assert "epoch 0 finishes with it, and epoch 1 on (from stream position 97)" in caplog.text
+
+
+def test_a_sharded_order_finishes_its_epoch_when_shards_are_appended(
+        tmp_path: Path, clean_sigterm: None) -> None:
+    old, new = ShardedOrder([30] * 4, seed=1), ShardedOrder([30] * 6, seed=1)
+    _phase(tmp_path, 3, 5, Records(), old)  # 60 of 120
+    second = _phase(tmp_path, 2, 10, Records(), new, allow_data_change=True)  # 60..179
+    assert Counter(second) == _reads((old, range(60, 120)), (new, range(180, 240)))
+    with pytest.raises(DataMismatch, match=r"lengths of the first 6 shards changed.*'now'"):
+        _phase(tmp_path, 2, 1, Records(), ShardedOrder([31, 29] + [30] * 4, seed=1),
+               allow_data_change=True)
 
 
 def test_a_stream_per_reader_refuses_a_resume_on_another_number_of_readers(
@@ -240,6 +350,10 @@ def test_a_stream_per_reader_refuses_a_resume_on_another_number_of_readers(
         with pytest.raises(DataMismatch, match=r"readers 6 -> 4"):
             again.check_data(StreamOrder(readers=2 * 2))
         again.check_data(StreamOrder(readers=6))  # the same readers: fine
+        # a stream per reader is no order of ckptd's: an older ckptd's algorithm is no change
+        again.meta = dataclasses.replace(again.meta, data={**StreamOrder(6).spec(),
+                                                           "algorithm": LEGACY})
+        again.check_data(StreamOrder(readers=6))
     finally:
         again.close()
         again.ckpt.close()
@@ -287,6 +401,21 @@ def test_a_damaged_consumed_samples_is_refused_naming_the_field(
 def test_an_order_refuses_lengths_that_are_not_integers(make: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"start": True}, "start"), ({"start": 10**30}, "start"), ({"start_epoch": -1}, "start_epoch"),
+    ({"start": 30}, "after the 24 samples consumed"), ({"length": "97"}, "length"),
+    ({"previous": 5}, "not an object"),
+])
+def test_a_damaged_data_record_is_refused_naming_the_field(
+        tmp_path: Path, clean_sigterm: None, bad: dict[str, Any], field: str) -> None:
+    order = GlobalOrder(50, seed=7)
+    _phase(tmp_path, 3, 2, Tokens(50), order)
+    _reseal_training(tmp_path, 2, data={**order.spec(), "previous": None, **bad})
+    with pytest.raises(ckptd.CkptdError, match=field) as err:
+        _phase(tmp_path, 3, 1, Tokens(50), order, allow_data_change=True)
+    assert "\n" not in str(err.value)
 
 
 def test_numpy_integers_are_lengths_and_seeds() -> None:

@@ -125,7 +125,8 @@ class ShardedOrder:
     from its first record to its last. Empty shards are allowed (never read).
     """
 
-    def __init__(self, shard_lengths: Sequence[int], *, seed: int = 0, shuffle: bool = True,
+    def __init__(self, shard_lengths: Sequence[int] | np.ndarray, *, seed: int = 0,
+                 shuffle: bool = True,
                  block_shards: int = BLOCK_SHARDS, algorithm: str = ORDER_ALGORITHM) -> None:
         self.lengths = _shard_lengths(shard_lengths)
         self.length = int(self.lengths.sum())
@@ -163,7 +164,7 @@ class ShardedOrder:
         return spec
 
 
-def _shard_lengths(given: Sequence[int]) -> np.ndarray:
+def _shard_lengths(given: Sequence[int] | np.ndarray) -> np.ndarray:
     """The record counts as an int64 array, each an integer in [0, 2^62) (numpy ones too)."""
     if isinstance(given, np.ndarray) and given.dtype.kind in "iu" and given.ndim == 1:
         bad = np.flatnonzero((given < 0) | (given >= MAX_POSITION))
@@ -249,19 +250,27 @@ class StreamOrder:
                 "readers": self.readers, "seed": self.seed}
 
 
+def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each field of two fingerprints that differs, as ``"name old -> new"``. A stream read per
+    reader has no order of ckptd's: its algorithm is not compared."""
+    keys = sorted(set(saved) | set(current))
+    if saved.get("kind") == current.get("kind") == "per-reader-streams":
+        keys.remove("algorithm")
+    return [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
+
+
 def check_spec(saved: dict[str, Any] | None, current: dict[str, Any], *,
                allow_change: bool = False) -> None:
     """Raise :class:`~ckptd.errors.DataMismatch` naming every field of the data order that
-    differs from the checkpoint's, unless ``allow_change`` (the caller changed it on purpose: the
-    run then continues at the same stream position of the new order, and exactly-once holds
-    only from there). No saved spec: nothing to compare (a checkpoint from before it existed)."""
+    differs from the checkpoint's, unless ``allow_change`` (the caller changed it on purpose;
+    ``ckptd.data.stream`` decides which order reads what from there). No saved spec: nothing
+    to compare (a checkpoint from before it existed)."""
     if saved is None or allow_change:
         return
-    keys = sorted(set(saved) | set(current))
-    changed = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
-               if saved.get(k) != current.get(k)]
+    changed = changes(saved, current)
     if changed:
         raise DataMismatch(
             f"the data order differs from the checkpoint's: {', '.join(changed)}; resuming "
             "would repeat or skip samples (pass allow_data_change=True if the change is "
-            "intended)")
+            "intended: the epoch in progress then finishes under the checkpoint's order)")

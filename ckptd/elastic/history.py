@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptd.data.order import integer
+from ckptd.data.stream import epoch_at
 from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec
 from ckptd.errors import CkptdError
 
@@ -155,8 +156,7 @@ class TrainingMeta:
 
     def epoch(self, consumed_samples: int) -> int | None:
         """The data epoch at a stream position, when the run's data order is known."""
-        length = (self.data or {}).get("length")
-        return consumed_samples // length if isinstance(length, int) and length > 0 else None
+        return epoch_at(self.data, consumed_samples)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -33,6 +33,7 @@ from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
 from ckptd.data.sampler import Order
+from ckptd.data.stream import Change, Stream, continue_stream
 from ckptd.elastic import preemption
 from ckptd.elastic.events import EventLog
 from ckptd.elastic.history import (
@@ -117,30 +118,44 @@ class ElasticRun:
                                      t.micro_batch_size)
 
     def batch_sampler(self, order: Order, *, steps: int | None = None,
-                      allow_data_change: bool = False) -> GlobalBatchSampler:
+                      allow_data_change: Change = False) -> GlobalBatchSampler:
         """A ``DataLoader`` ``batch_sampler`` of this rank's micro-batches from where the
         checkpoint stopped, in the global ``order`` (:class:`ckptd.data.GlobalOrder` or
         :class:`~ckptd.data.ShardedOrder`), for ``steps`` optimizer steps (None: no end).
 
         The order's fingerprint is saved with every checkpoint of this run; a resume whose order
-        differs (dataset length, seed, shards, shuffling) raises
+        differs (dataset length, seed, shards, shuffling, block size) raises
         :class:`~ckptd.data.DataMismatch` naming what changed, unless ``allow_data_change``:
-        then the run continues at the same stream position of the new order."""
-        self.check_data(order, allow_data_change=allow_data_change)
+        ``True`` finishes the epoch in progress under the checkpoint's order and starts the
+        new one at the next epoch; ``"now"`` starts a new epoch of the new order at once
+        (``docs/data.md``). An order that differs only by its algorithm (a checkpoint of an
+        older ckptd) finishes its epoch the same way, without the flag."""
+        stream = self._stream(order, allow_data_change)
         t = self.training
-        return GlobalBatchSampler(order, consumed=self.consumed_samples, dp_rank=self.dp_rank,
-                                  dp_size=t.world_size, micro_batch=t.micro_batch_size,
+        return GlobalBatchSampler(stream.simple() or stream, consumed=self.consumed_samples,
+                                  dp_rank=self.dp_rank, dp_size=t.world_size,
+                                  micro_batch=t.micro_batch_size,
                                   grad_accum=t.gradient_accumulation_steps, steps=steps)
 
     def check_data(self, order: Order | StreamOrder, *,
-                   allow_data_change: bool = False) -> None:
+                   allow_data_change: Change = False) -> None:
         """Compare ``order``'s fingerprint with the checkpoint's (raise
         :class:`~ckptd.data.DataMismatch` naming what changed, unless ``allow_data_change``) and
         save it with this run's checkpoints. :meth:`batch_sampler` calls it; call it directly
         for a :class:`~ckptd.data.StreamOrder`, whose readers cannot change."""
-        current = order.spec()
-        check_spec(self.meta.data, current, allow_change=allow_data_change)
-        self.meta = dataclasses.replace(self.meta, data=current)
+        if isinstance(order, StreamOrder):
+            check_spec(self.meta.data, order.spec(), allow_change=bool(allow_data_change))
+            self.meta = dataclasses.replace(self.meta, data=order.spec())
+        else:
+            self._stream(order, allow_data_change)
+
+    def _stream(self, order: Order, allow_data_change: Change) -> Stream:
+        stream, record, note = continue_stream(self.meta.data, self.consumed_samples, order,
+                                               allow_change=allow_data_change)
+        if note is not None and self.ckpt.rank == 0:
+            log.warning("%s", note)
+        self.meta = dataclasses.replace(self.meta, data=record)
+        return stream
 
     # ------------------------------------------------------------------ progress
     def load(self, state: Any, *, strict: bool = True) -> LoadResult | None:
