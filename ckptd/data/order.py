@@ -136,7 +136,6 @@ class ShardedOrder:
         self.seed, self.shuffle = _check_seed(seed), shuffle
         self.block_shards = integer(block_shards, "block_shards", 1)
         self.algorithm = _check_algorithm(algorithm)
-        self._nonempty = np.flatnonzero(self.lengths)
         self._epochs = _Epochs()
 
     def epoch(self, position: int) -> int:
@@ -181,7 +180,7 @@ class _Layout:
     each starts inside the block, the block's permutation)."""
 
     def __init__(self, order: ShardedOrder, epoch: int) -> None:
-        ids = order._nonempty
+        ids = np.flatnonzero(order.lengths)
         if order.shuffle:
             ids = ids[shuffled(len(ids), (order.seed, epoch, 1))]
         self.shards = ids.astype(np.int32 if len(ids) < 1 << 31 else np.int64)

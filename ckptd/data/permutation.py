@@ -44,7 +44,9 @@ def round_keys(key: tuple[int, ...], count: int) -> list[int]:
 
 def splitmix(start: int, count: int) -> np.ndarray:
     """The first ``count`` outputs of SplitMix64 from state ``start`` (uint64 array)."""
-    z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GAMMA) + np.uint64(start)
+    z = np.arange(1, count + 1, dtype=np.uint64)
+    z *= np.uint64(_GAMMA)
+    z += np.uint64(start)
     z ^= z >> np.uint64(30)
     z *= np.uint64(_MIX1)
     z ^= z >> np.uint64(27)
@@ -59,7 +61,10 @@ def fisher_yates(n: int, start: int) -> array[int]:
     out = array("q", range(n))
     if n < 2:
         return out
-    draws = (splitmix(start, n - 1) % np.arange(2, n + 1, dtype=np.uint64)).tolist()
+    mods = splitmix(start, n - 1)
+    mods %= np.arange(2, n + 1, dtype=np.uint64)
+    draws = array("q")  # 8 bytes a draw (a list would hold an int object for each)
+    draws.frombytes(memoryview(mods).cast("B"))
     for i in range(n - 1, 0, -1):
         j = draws[i - 1]
         out[i], out[j] = out[j], out[i]
