@@ -64,7 +64,7 @@ def fisher_yates(n: int, start: int) -> array[int]:
     mods = splitmix(start, n - 1)
     mods %= np.arange(2, n + 1, dtype=np.uint64)
     draws = array("q")  # 8 bytes a draw (a list would hold an int object for each)
-    draws.frombytes(memoryview(mods).cast("B"))
+    draws.frombytes(mods.data.cast("B"))
     for i in range(n - 1, 0, -1):
         j = draws[i - 1]
         out[i], out[j] = out[j], out[i]
