@@ -37,6 +37,8 @@ RUNS = {
               "--stall-only", "--gap", "0.2"],
     "peer_copy": ["--size", "16MiB", "--world", "2", "--saves", "1", "--gap", "0.2"],
     "handover": ["--size", "64MiB", "--rate", "16MB", "--runs", "1", "--grace", "1"],
+    "data": ["--runs", "1", "--samples", "200", "--sizes", "1000,100000", "--shards", "100,1000",
+             "--randperm-max", "100000"],
 }
 
 
