@@ -392,6 +392,7 @@ def test_a_damaged_consumed_samples_is_refused_naming_the_field(
     (lambda: ShardedOrder(["10", 5]), r"shard length .*'10'"),
     (lambda: ShardedOrder([-1, 5]), r"shard length .*-1"),
     (lambda: ShardedOrder([0, 0]), r"at least one record"),
+    (lambda: ShardedOrder([2**62 - 1] * 5), r"fewer than 2\^62"),
     (lambda: GlobalOrder(True), r"length .*True"),
     (lambda: GlobalOrder(50.0), r"length .*50\.0"),
     (lambda: GlobalOrder(0), r"at least one sample.*got 0"),

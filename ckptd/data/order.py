@@ -90,7 +90,7 @@ class GlobalOrder:
     def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True,
                  algorithm: str = ORDER_ALGORITHM) -> None:
         self.length = integer(length, "a dataset's length (at least one sample)", 1)
-        self.seed, self.shuffle = _check_seed(seed), shuffle
+        self.seed, self.shuffle = _check_seed(seed), bool(shuffle)
         self.algorithm = _check_algorithm(algorithm)
         self._epochs = _Epochs()
 
@@ -129,11 +129,12 @@ class ShardedOrder:
                  shuffle: bool = True,
                  block_shards: int = BLOCK_SHARDS, algorithm: str = ORDER_ALGORITHM) -> None:
         self.lengths = _shard_lengths(shard_lengths)
-        self.length = int(self.lengths.sum())
+        fits = int(self.lengths.max(initial=0)) < MAX_POSITION // max(1, len(self.lengths))
+        self.length = int(self.lengths.sum()) if fits else sum(self.lengths.tolist())  # no overflow
         if not 1 <= self.length < MAX_POSITION:
             raise ValueError(f"shards need at least one record (and fewer than 2^62 in all), got "
                              f"{list(shard_lengths)[:8]!r}")
-        self.seed, self.shuffle = _check_seed(seed), shuffle
+        self.seed, self.shuffle = _check_seed(seed), bool(shuffle)
         self.block_shards = integer(block_shards, "block_shards", 1)
         self.algorithm = _check_algorithm(algorithm)
         self._epochs = _Epochs()
