@@ -20,7 +20,7 @@ import operator
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -58,6 +58,19 @@ def _bound(n: int) -> str:
 
 def _check_seed(seed: int) -> int:
     return integer(seed, "seed", 0, 1 << 64)
+
+
+class Order(Protocol):
+    """What a sampler reads: :class:`GlobalOrder`, :class:`ShardedOrder`, or a stream of them
+    across a change of the data (:class:`ckptd.data.stream.Stream`)."""
+
+    length: int
+
+    def index(self, position: int) -> Any: ...
+
+    def epoch(self, position: int) -> int: ...
+
+    def spec(self) -> dict[str, Any]: ...
 
 
 def _check_algorithm(algorithm: str) -> str:

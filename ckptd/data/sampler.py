@@ -12,21 +12,11 @@ the new ranks read continues the stream where it stopped, across epoch boundarie
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from torch.utils.data import Sampler
 
-
-class Order(Protocol):
-    """:class:`~ckptd.data.order.GlobalOrder` or :class:`~ckptd.data.order.ShardedOrder`."""
-
-    length: int
-
-    def index(self, position: int) -> Any: ...
-
-    def epoch(self, position: int) -> int: ...
-
-    def spec(self) -> dict[str, Any]: ...
+from ckptd.data.order import Order
 
 
 def micro_batch_positions(consumed: int, micro_step: int, dp_rank: int, dp_size: int,

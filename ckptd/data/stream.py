@@ -25,13 +25,13 @@ from ckptd.data.order import (
     BLOCK_SHARDS,
     DataMismatch,
     GlobalOrder,
+    Order,
     ShardedOrder,
     changes,
     check_spec,
     integer,
 )
 from ckptd.data.permutation import ALGORITHMS
-from ckptd.data.sampler import Order
 
 STREAM_KEYS = ("start", "start_epoch", "previous")
 Change = bool | Literal["now"]

@@ -32,7 +32,7 @@ from typing import Any
 from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
-from ckptd.data.sampler import Order
+from ckptd.data.order import Order
 from ckptd.data.stream import Change, Stream, continue_stream
 from ckptd.elastic import preemption
 from ckptd.elastic.events import EventLog
