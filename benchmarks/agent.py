@@ -55,6 +55,8 @@ import multirank  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ckptd.agent import wire  # noqa: E402
+
 
 def _floors(rank: int, world: int, root: str, size: int, saves: int, compute_loop: bool = True
             ) -> dict[str, float]:
@@ -133,8 +135,9 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
     stalls, copies, durable, write_cpu, writes = [], [], [], [], []
     copied = _time_staging_copies()
     with ckptd.Checkpointer(root, keep_last=keep_last, agent=agent) as ckpt:
-        assert agent == (ckpt._saver is not None and ckpt._saver.offload is not None)
-        agent_pid = ckpt._saver.offload.pid if agent else None  # type: ignore[union-attr]
+        assert agent == (ckpt.executor == "agent")
+        agent_pid = (wire.lock_pid(wire.paths(wire.node_id(), wire.agent_dir())["lock"])
+                     if agent else None)
         ckpt.reserve(state.ckptd_tree())
         for step in range(saves + 1):
             # the write floor before each save, after the same pause (benchmarks/README.md:

@@ -58,7 +58,7 @@ def _ranks(rank: int, world: int, root: str, size: int, saves: int, gap_s: float
     buf = common.aligned_empty(state.nbytes)
     writes, stalls, durable, started = [], [], [], {}
     with ckptd.Checkpointer(os.path.join(root, "ckpt"), keep_last=2, agent=True) as ckpt:
-        assert ckpt._saver is not None and ckpt._saver.offload is not None, "no agent"
+        assert ckpt.executor == "agent", "no agent"
         for step in range(saves + 1):
             # the write floor, the same bytes, before each save and after the same pause (a
             # floor measured in a block before all the saves sees another disk: this virtual

@@ -23,6 +23,7 @@ _EXPORTS = {
     "Checkpointer": "ckptd.checkpointer",
     "LoadResult": "ckptd.reshard.committed",
     "on_preemption": "ckptd.elastic.preemption",
+    "reshard": "ckptd.elastic.reshard",
     "preempted": "ckptd.elastic.preemption",
     "CheckpointNotFound": "ckptd.errors",
     "CkptdError": "ckptd.errors",
@@ -59,6 +60,7 @@ __all__ = [
     "load",
     "on_preemption",
     "preempted",
+    "reshard",
     "save",
     "save_async",
     "wait",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from ckptd.api import init, latest_step, load, save, save_async, wait
     from ckptd.checkpointer import Checkpointer
     from ckptd.elastic.preemption import on_preemption, preempted
+    from ckptd.elastic.reshard import reshard
     from ckptd.errors import (
         CheckpointNotFound,
         CkptdError,

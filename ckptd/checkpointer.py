@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import config
+from ckptd.agent.client import AgentClient
+from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for
 from ckptd.agent.tier import memory_tier
 from ckptd.errors import CkptdError
@@ -27,6 +29,8 @@ from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.world import agree_attempt_base, agree_run_id, dist_or_none, resolve_world
 from ckptd.writer import exiting
+from ckptd.writer.autocodec import AutoCodec
+from ckptd.writer.executor import InProcess
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
 from ckptd.writer.signals import Signals
@@ -105,18 +109,28 @@ class Checkpointer:
                 debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1",
                 attempt_base=agree_attempt_base(
                     self.world_size, bool(run_id or os.environ.get("CKPTD_RUN_ID"))))
-            offload = connect_for(agent, self.url, storage_options, own_storage=storage is None,
-                                  threads=self.threads, incarnation=options.incarnation,
-                                  rank=self.rank)
+            client = connect_for(agent, self.url, storage_options, own_storage=storage is None,
+                                 threads=self.threads, incarnation=options.incarnation,
+                                 rank=self.rank)
+            auto = AutoCodec(options.threads) if options.compression == "auto" else None
+            executor = self._executor(options, client, auto)
             try:
-                self._saver = Saver(self.storage, options, Signals.from_process_group(),
-                                    self._io, offload)
+                self._saver = Saver(self.storage, options, executor.signals, executor, auto)
             except BaseException:  # the root cannot be claimed: let go of the agent too
-                if offload is not None:
-                    offload.close()
+                executor.close()
                 self._io.shutdown(wait=False)
                 raise
         _live.add(self)
+
+    def _executor(self, options: SaveOptions, client: AgentClient | None,
+                  auto: AutoCodec | None) -> InProcess | AgentExecutor:
+        """What runs the saves' background half: this process's I/O threads, or the node
+        agent (with those as its fallback)."""
+        here = InProcess(self.storage, self._io, Signals.from_process_group(),
+                         max(1, options.max_inflight), auto)
+        if client is None:
+            return here
+        return AgentExecutor(client, here, max(1, options.max_inflight), self.rank)
 
     @staticmethod
     def threads_for(threads: int | None) -> int:
@@ -199,16 +213,13 @@ class Checkpointer:
         over once it is staged; ``ckptd agent --status`` tells what it holds), or
         ``"process"`` (this process's own threads: with ``agent=False``, a read-only
         Checkpointer, no agent to be had, or once the agent was lost)."""
-        saver = self._saver
-        on_agent = (saver is not None and saver.offload is not None
-                    and saver._local_pool is None and saver.offload.alive)
-        return "agent" if on_agent else "process"
+        return self._saver.executor.name if self._saver is not None else "process"
 
     @property
     def hands_off(self) -> bool:
         """Whether this rank's saves go to a node agent that, stopping (SIGTERM) and unable to
         write a save inside the grace window, hands it to a peer's agent (``docs/agent.md``)."""
-        return self._saver is not None and self._saver.hands_off
+        return self._saver is not None and self._saver.executor.hands_off
 
     def wait(self) -> None:
         """Block until every in-flight save is committed; raise the first background error."""
@@ -221,9 +232,10 @@ class Checkpointer:
             return
         try:
             if self._saver is not None:
-                self._saver.close()
-                if self._saver.offload is not None:
-                    self._saver.offload.close()
+                try:
+                    self._saver.close()
+                finally:
+                    self._saver.executor.close()
         finally:
             self._closed = True
             self._io.shutdown(wait=True)
@@ -264,7 +276,8 @@ class Checkpointer:
             if found is not None:
                 return found
         described = describe(state, self.rank, self.world_size)
-        offload = self._saver.offload if self._saver is not None else None
+        executor = self._saver.executor if self._saver is not None else None
+        offload = executor.client if isinstance(executor, AgentExecutor) else None
         with memory_tier(offload, self.storage, self._agent_spec, self.rank, self.world_size,
                          agents=self._agents) as tier:
             if tier is not None:  # what the node agent holds, in front of the storage

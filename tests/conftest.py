@@ -39,6 +39,27 @@ if EXECUTOR == "agent":
     os.environ["CKPTD_NODE_ID"] = f"suite{os.getpid()}"
 
 
+# Test modules that run the same whichever executor the suite uses — they save through no
+# Checkpointer that leaves the executor to the default (the node agent's own tests ask for it
+# where they test it), or save nothing: the agent executor's pass leaves them out (deselected,
+# counted in pytest's summary), since the process pass runs them.
+SAME_UNDER_EITHER = {
+    "test_agent.py", "test_agent_gate.py", "test_agent_kills.py", "test_agent_memory.py",
+    "test_agent_memory_use.py", "test_agent_restart.py", "test_agent_s3.py",
+    "test_agent_trust.py", "test_data_order.py", "test_data_shuffle.py", "test_regions.py",
+    "test_replan.py", "test_public_api.py", "test_gcpause.py", "test_benchmarks.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if EXECUTOR != "agent":
+        return
+    same = [i for i in items if os.path.basename(str(i.fspath)) in SAME_UNDER_EITHER]
+    if same:
+        config.hook.pytest_deselected(items=same)
+        items[:] = [i for i in items if i not in same]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _suite_agent() -> Iterator[None]:
     """With the agent executor: stop the run's agent at the end (none may be left)."""

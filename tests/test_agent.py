@@ -60,7 +60,7 @@ def _trainer(root: str, rank: int, run: str, steps: list[int], agent: bool | Non
              conn) -> None:
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id=run, agent=agent, keep_last=0)
-    assert c._saver is not None and c._saver.offload is not None, "no agent"
+    assert c.executor == "agent", "no agent"
     for i, step in enumerate(steps):
         h = c.save_async(_state(step, rank), step=step)
         if i < len(steps) - 1:
@@ -156,8 +156,7 @@ def test_sigkill_of_the_agent_mid_save_falls_back_and_loses_nothing(tmp_path, ag
             c.save(_big(4))
         lost = [r for r in caplog.records if "saving in process from now on" in r.message]
         assert len(lost) == 1, "the loss is said once"
-        assert c._saver is not None and c._saver.offload is not None
-        assert not c._saver.offload.alive
+        assert c.executor == "process"  # the agent was lost
     for step in (1, 2, 3, 4):
         _check(root, step)
 
@@ -234,8 +233,8 @@ def test_a_shared_agent_directory_is_refused(agents):
 
 
 def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
-    with ckptd.Checkpointer(str(tmp_path / "r"), rank=0, world_size=1, agent=True) as c:
-        client = c._saver.offload  # type: ignore[union-attr]
+    client = AgentClient.connect({"url": str(tmp_path / "r"), "options": None}, threads=1)
+    try:
         arena = client.allocate(4096)
         job = {"version": 1, "share": {"step": 1, "attempt": "x-1", "rank": 0, "world_size": 1,
                                        "declared": {"w": ["float32", [4096]]}, "values": {},
@@ -247,6 +246,8 @@ def test_a_malformed_job_is_refused_by_the_agent_not_followed(tmp_path, agents):
         with pytest.raises(ckptd.CkptdError, match="does not fit"):
             client.submit(arena, job).reply.result()
         assert client.alive  # a bad request fails that request, not the agent
+    finally:
+        client.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="on by default on Linux")
@@ -264,7 +265,7 @@ def test_a_writer_uses_the_node_agent_by_default(tmp_path, agents, monkeypatch):
     assert alive(agents.pid())
     monkeypatch.setenv("CKPTD_AGENT", "0")
     with ckptd.Checkpointer(root, rank=0, world_size=1) as c:
-        assert c._saver is not None and c._saver.offload is None
+        assert c.executor == "process"
     monkeypatch.setenv("CKPTD_AGENT", "maybe")
     with pytest.raises(ckptd.CkptdError, match="CKPTD_AGENT='maybe'"):
         ckptd.Checkpointer(root, rank=0, world_size=1)
@@ -735,7 +736,7 @@ def test_an_agent_that_cannot_start_is_given_up_at_once(tmp_path, agents, monkey
     root = str(tmp_path / "root")
     with caplog.at_level(logging.WARNING, logger="ckptd"):
         with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
-            assert c._saver is not None and c._saver.offload is None
+            assert c.executor == "process"
             c.save(_big(1))
     said = [r.message for r in caplog.records if "exited at once" in r.message]
     assert len(said) == 1 and agents.paths["log"] in said[0], said

@@ -1,6 +1,6 @@
 """The gate an agent's I/O threads pass before each block the storage writes of a save's files
-(``remote.Gate``; a "file" below is one such call): the rate limit's pace and the stop that
-hands a save over to the peer holding its copy."""
+(``ckptd.agent.gate.Gate``; a "file" below is one such call): the rate limit's pace and the
+stop that hands a save over to the peer holding its copy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import threading
 import pytest
 from agent_procs import wait_until
 
-from ckptd.writer.remote import Gate, Stopped
+from ckptd.agent.gate import Gate
+from ckptd.writer.job import Interrupted as Stopped
 
 
 def test_without_a_rate_every_file_passes_and_is_counted():

@@ -42,7 +42,7 @@ _SMALL_SHM_JOB = textwrap.dedent("""
     with ckptd.Checkpointer(sys.argv[1], rank=0, world_size=1, agent=True) as c:
         for step in (1, 2, 3):
             c.save(state, step=step)
-        held = c._saver.offload is not None and c._saver.offload.alive
+        held = c.executor == "agent"
         seen = sum(float(b[0, 0]) for b in DataLoader(Batches(), batch_size=1, num_workers=2))
     print("served by the agent:", held, flush=True)
     assert seen == sum(range(12)), seen
@@ -73,7 +73,7 @@ def test_a_64_mib_dev_shm_is_left_to_the_dataloader(tmp_path, agents):
 
 def _save_and_leave(root: str, step: int = 1) -> None:
     with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True) as c:
-        assert c._saver is not None and c._saver.offload is not None
+        assert c.executor == "agent"
         c.save({"w": torch.full((MiB // 4,), float(step))}, step=step)
 
 
@@ -141,11 +141,11 @@ def test_the_agent_is_on_by_default_for_a_launched_job_only(tmp_path, agents, mo
     for v in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "WORLD_SIZE"):
         monkeypatch.delenv(v, raising=False)
     with ckptd.Checkpointer(str(tmp_path / "a"), rank=0, world_size=1) as c:
-        assert c._saver is not None and c._saver.offload is None
+        assert c.executor == "process"
     assert wire.node_agents(agents.node, agents.dir) == []  # no agent was started
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     with ckptd.Checkpointer(str(tmp_path / "b"), rank=0, world_size=1) as c:
-        assert c._saver is not None and c._saver.offload is not None
+        assert c.executor == "agent"
         c.save({"w": torch.ones(4)}, step=1)
     assert alive(agents.pid())
     assert os.path.exists(os.path.join(tmp_path, "b", "step-000000001", "manifest.json"))

@@ -32,7 +32,7 @@ def _first_run(root: str, rank: int, node: str, conn) -> None:
     os.environ["CKPTD_NODE_ID"] = node
     c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="first", agent=True,
                            keep_last=0)
-    assert c._saver is not None and c._saver.offload is not None, "no agent"
+    assert c.executor == "agent", "no agent"
     c.save(_state(1, rank), step=1)
     if rank == 0:
         c.save_async(_state(2, rank), step=2)  # its agent commits step 2, once rank 1's is in

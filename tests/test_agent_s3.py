@@ -15,6 +15,7 @@ import torch
 from agent_procs import fork_ranks, reap, wait_until
 
 import ckptd
+from ckptd.agent import wire
 
 N = 1 << 20  # 4 MiB of float32
 
@@ -28,7 +29,7 @@ def _trainer(url: str, options: dict, conn) -> None:
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     c = ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options, agent=True,
                            keep_last=0, run_id="first")
-    assert c._saver is not None and c._saver.offload is not None, "no agent"
+    assert c.executor == "agent", "no agent"
     c.save(_state(1), step=1)
     c.save_async(_state(2), step=2)  # the agent holds it; this process is killed right after
     conn.send("returned")
@@ -117,8 +118,8 @@ def test_an_agent_started_without_credentials_does_not_fail_the_next_job_s_saves
         monkeypatch.setenv(k, v)
     with ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options,
                             agent=True) as c:
-        assert c._saver is not None and c._saver.offload is not None
-        assert c._saver.offload.pid != first  # type: ignore[attr-defined]
+        assert c.executor == "agent"
+        assert wire.lock_pid(agents.paths["lock"]) != first  # an agent of this environment
         c.save(_state(1), step=1)
     assert _latest(url, {**options, "key": "testing", "secret": "testing"}) == 1
     assert "testing" not in agents.log()  # no secret in any agent's log

@@ -46,9 +46,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _served_by(c: ckptd.Checkpointer) -> int | None:
-    """The pid of the agent a Checkpointer hands its saves to (None: it saves in process)."""
-    offload = c._saver.offload if c._saver is not None else None
-    return offload.pid if offload is not None else None  # type: ignore[attr-defined]
+    """The pid of the agent a Checkpointer hands its saves to (that of its environment, on the
+    test's node); None: it saves in process."""
+    return wire.lock_pid(wire.paths(wire.node_id(), wire.agent_dir())["lock"]) \
+        if c.executor == "agent" else None
 
 
 # ----------------------------------------------------------------------------- a relative root

@@ -47,7 +47,9 @@ def _manifest(root, step=2):
 
 
 def _load(root, dst, step=2, strict=True):
-    with ckptd.Checkpointer(root) as c:
+    # read-only: these are the bytes on storage (with the node agent, a writer's load reads the
+    # steps the agent holds in memory first)
+    with ckptd.Checkpointer(root, read_only=True) as c:
         return c.load(dst, step=step, strict=strict)
 
 

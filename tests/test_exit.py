@@ -21,7 +21,7 @@ root, rank, mode, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 agent = os.environ.get("TEST_AGENT") == "1"
 torch.set_num_threads(1)
 c = ckptd.Checkpointer(root, rank=rank, world_size=2, run_id="r", agent=agent, keep_last=0)
-assert (c._saver.offload is not None) == agent
+assert (c.executor == "agent") == agent
 state = {"w": ckptd.Shard(torch.arange(4096.0) + 4096 * rank, (8192,), (4096 * rank,))}
 c.save(state, step=1)
 if rank == 1:

@@ -132,7 +132,7 @@ def test_small_tensors_of_a_file_are_fetched_in_one_range(tmp_path: Any) -> None
     # 400-byte tensors at 64-byte alignment: 48-byte gaps between them
     for gap, want in ((0, 20), (48, 1), (config.get().gap_bytes, 1)):
         dst = {k: torch.zeros(100) for k in state}
-        with config.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
+        with config.override(gap_bytes=gap), ckptd.Checkpointer(root, read_only=True) as ck:
             ck.load(dst)
         stats = last_stats()
         assert stats is not None and stats.planned_ranges == want
@@ -140,7 +140,7 @@ def test_small_tensors_of_a_file_are_fetched_in_one_range(tmp_path: Any) -> None
     # every other tensor (slots of 448 bytes): 10 ranges unless a 496-byte gap is allowed
     half = {k: torch.zeros(100) for k in list(state)[::2]}
     for gap, want in ((495, 10), (496, 1), (config.get().gap_bytes, 1)):
-        with config.override(gap_bytes=gap), ckptd.Checkpointer(root) as ck:
+        with config.override(gap_bytes=gap), ckptd.Checkpointer(root, read_only=True) as ck:
             ck.load(half, strict=False)
         assert last_stats().planned_ranges == want  # type: ignore[union-attr]
 
@@ -151,7 +151,7 @@ def test_a_slice_of_a_compressed_chunk_reads_and_decodes_only_its_frames(tmp_pat
     w = torch.randn(256, 64)  # 64 KiB: 16 frames of 4 KiB (16 rows each)
     with config.override(frame_bytes=4096):
         _save(root, {"w": w}, compression="zstd")
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         m = ck.read_manifest(1)
         chunk = m.with_frames([("w", m.tensors["w"].chunks[0])])[0]
         assert chunk.codec == "zstd-planes" and chunk.n_frames == 16
@@ -168,13 +168,13 @@ def test_a_corrupt_frame_outside_the_slice_is_not_read(tmp_path: Any) -> None:
     w = torch.randn(256, 64)
     with config.override(frame_bytes=4096):
         _save(root, {"w": w}, compression="zstd")
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         chunk = ck.read_manifest(1).tensors["w"].chunks[0]
     with open(os.path.join(root, L.step_dir(1), chunk.file), "r+b") as f:
         f.seek(chunk.offset + 5)  # frame 0
         f.write(b"\xff\xff")
     dst = torch.zeros(20, 64)
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         ck.load({"w": ckptd.Shard(dst, (256, 64), (40, 0))})
         assert torch.equal(dst, w[40:60])
         with pytest.raises(ckptd.CorruptCheckpoint, match="checksum mismatch in frame 0"):
@@ -217,7 +217,7 @@ def test_a_load_over_budget_holds_at_most_the_budget_of_read_buffers(
 
 def _traced_load(root: str, dst: dict[str, torch.Tensor]) -> int:
     """Load ``dst`` from ``root``; the peak of Python-traced memory during the load."""
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         tracemalloc.start()
         try:
             ck.load(dst)
@@ -267,7 +267,7 @@ def test_a_load_within_budget_reads_every_byte_once(tmp_path: Any) -> None:
     state = _big_state()
     _save(root, state)
     dst = {k: torch.zeros_like(v) for k, v in state.items()}
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         res = ck.load(dst)
     stats = last_stats()
     assert stats is not None and stats.passes == 1
@@ -281,14 +281,14 @@ def test_a_corrupt_frame_found_in_the_verify_pass_leaves_the_destination_untouch
     state = _big_state()
     with config.override(frame_bytes=64 << 10):
         _save(root, state)
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         chunk = ck.read_manifest(1).tensors["t3"].chunks[0]  # the last: held, not streamed
     with open(os.path.join(root, L.step_dir(1), chunk.file), "r+b") as f:
         f.seek(chunk.offset + chunk.length - 3)
         f.write(b"\x00\x01\x02")
     dst = {k: torch.full_like(v, -1.0) for k, v in state.items()}
     with config.override(load_budget_bytes=256 << 10), config.override(unit_bytes=64 << 10), \
-            ckptd.Checkpointer(root) as ck:
+            ckptd.Checkpointer(root, read_only=True) as ck:
         with pytest.raises(ckptd.CorruptCheckpoint, match=rf"{chunk.file}: t3: checksum"):
             ck.load(dst)
     assert all(bool((v == -1.0).all()) for v in dst.values())
@@ -313,7 +313,7 @@ def test_plan_reads_each_element_once_from_overlapping_copies() -> None:
 def _read_once_worker(rank: int, world: int, root: str, bad_root: str) -> dict[str, Any]:
     ref = {"shared": torch.arange(4096.0), "own": torch.arange(300.0)}
     out: dict[str, Any] = {}
-    with config.override(read_once="on"), ckptd.Checkpointer(root) as ck:
+    with config.override(read_once="on"), ckptd.Checkpointer(root, read_only=True) as ck:
         dst = {"shared": torch.zeros(4096),
                "own": ckptd.Shard(torch.zeros(100), (300,), (100 * rank,))}
         ck.load(dst)
@@ -325,7 +325,7 @@ def _read_once_worker(rank: int, world: int, root: str, bad_root: str) -> dict[s
         out["broadcast"] = stats.broadcast_bytes
     dst = {"shared": torch.full((4096,), -1.0),
            "own": ckptd.Shard(torch.full((100,), -1.0), (300,), (100 * rank,))}
-    with ckptd.Checkpointer(bad_root) as ck:  # rank 2's slice is corrupt: nobody copies
+    with ckptd.Checkpointer(bad_root, read_only=True) as ck:  # rank 2's slice is corrupt: nobody copies
         try:
             ck.load(dst)
             out["error"] = None
@@ -343,7 +343,7 @@ def test_read_once_reads_a_replicated_tensor_on_one_rank_and_ranks_agree_on_erro
     for r in (root, bad):
         with config.override(frame_bytes=400):
             _save(r, state)
-    with ckptd.Checkpointer(bad) as ck:
+    with ckptd.Checkpointer(bad, read_only=True) as ck:
         chunk = ck.read_manifest(1).tensors["own"].chunks[0]
     with open(os.path.join(bad, L.step_dir(1), chunk.file), "r+b") as f:
         f.seek(chunk.offset + 250 * 4)  # element 250: only rank 2 reads it
@@ -363,7 +363,7 @@ def test_read_once_reads_a_replicated_tensor_on_one_rank_and_ranks_agree_on_erro
 def _subset_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank r asks for tensors t{r}, t{r+3}, ... (strict=False: the others are someone else's)."""
     mine = {f"t{i}": torch.zeros(1000) for i in range(rank, 12, world)}
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         result = ck.load(mine, strict=False)
     return {"decoded": result.tensors_decoded, "frames": result.frames_read,
             "ok": all(torch.equal(t, torch.full((1000,), float(int(n[1:]))))
@@ -387,7 +387,7 @@ def test_ranks_asking_for_disjoint_subsets_each_decode_only_their_own_entries(
 
 def _strict_worker(rank: int, world: int, root: str) -> str:
     mine = {f"t{i}": torch.zeros(1000) for i in range(rank, 12, world) if i != 7}
-    with ckptd.Checkpointer(root) as ck:
+    with ckptd.Checkpointer(root, read_only=True) as ck:
         try:
             ck.load(mine)
             return ""
@@ -427,7 +427,7 @@ def test_the_copy_pass_reads_frames_into_the_destination_bit_exact(
         w = torch.zeros(7, hi - lo).t() if transposed else torch.zeros(hi - lo, 7)
         dst = {"w": ckptd.Shard(w, (50, 7), (lo, 0)), "h": torch.zeros(31).half(),
                "b": torch.zeros(9, dtype=torch.bool), "s": torch.tensor(0.0, dtype=torch.float64)}
-        with config.override(local_hold_bytes=0), ckptd.Checkpointer(str(tmp_path)) as ck:
+        with config.override(local_hold_bytes=0), ckptd.Checkpointer(str(tmp_path), read_only=True) as ck:
             ck.load(dst)
         stats = last_stats()
         assert stats is not None and stats.passes == 2 and stats.reread.frames > 0

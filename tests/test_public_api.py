@@ -27,6 +27,8 @@ API_NAMES = {
     "on_preemption",
     "preempted",
     "elastic",
+    # docs/api.md: the library function `ckptd reshard` calls
+    "reshard",
 }
 
 

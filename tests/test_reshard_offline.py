@@ -271,3 +271,26 @@ def test_a_bad_layout_fails_the_command_with_the_tensor_and_the_rule(
                           "[8, 8]: rule 1 (match '*.attn.o.weight', tp_dim 1): dim 1 of size 8 "
                           "does not divide by tp 3")
     assert not out.exists()
+
+
+def test_reshard_into_a_root_a_job_trains_into_is_refused_and_the_job_keeps_it(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """``ckptd reshard SRC --out LIVE`` where a job is training: refused, naming the run that
+    owns LIVE; the job's next save commits and is the latest (before, the reshard took the
+    root over with a generation-0 step that never became latest, and the job's next save
+    failed with ForeignWriter)."""
+    src, live = str(tmp_path / "src"), str(tmp_path / "live")
+    with ckptd.Checkpointer(src, rank=0, world_size=1) as c:
+        c.save({"w": torch.arange(8.0)}, step=5)
+    job = ckptd.Checkpointer(live, rank=0, world_size=1, run_id="training-job")
+    try:
+        job.save({"w": torch.ones(8)}, step=1)
+        capsys.readouterr()
+        assert main(["reshard", src, "--to-world", "2", "--out", live]) != 0
+        assert "owned by run training-job already" in capsys.readouterr().err
+        assert job.save({"w": torch.full((8,), 2.0)}, step=2).step == 2  # no ForeignWriter
+        assert job.latest_step() == 2
+        assert not os.path.exists(os.path.join(live, L.step_dir(5)))
+    finally:
+        job.close()

@@ -1,9 +1,9 @@
 """The trainer's side of the node agent: staging memory from the agent, saves handed to it.
 
-:class:`AgentClient` is the :class:`~ckptd.writer.remote.Offload` a Saver uses. A reader thread
-receives the agent's replies and heartbeats; if the connection closes, or nothing arrives for
-``timeout_s``, the agent is *lost*: every pending request fails with
-:class:`~ckptd.writer.remote.AgentLost` (the Saver then writes the same staged memory itself),
+:class:`AgentClient` is the connection the agent's executor (:mod:`ckptd.agent.executor`) and
+loads use. A reader thread receives the agent's replies and heartbeats; if the connection
+closes, or nothing arrives for ``timeout_s``, the agent is *lost*: every pending request fails
+with :class:`AgentLost` (the job in flight is then written from the same staged memory here),
 and an agent that stopped answering is killed first, so that it cannot write a file the trainer
 is writing too.
 """
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,24 @@ import torch
 from ckptd.agent import wire
 from ckptd.agent.shm import Segment, map_readonly
 from ckptd.errors import CkptdError
-from ckptd.writer.remote import AgentLost, Held
 
 log = logging.getLogger("ckptd")
 
 START_TIMEOUT_S = 60.0  # a cold start imports torch
+
+
+class AgentLost(CkptdError):
+    """The node agent died or stopped answering; the save continues in this process."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """A node agent's memory as one load sees it."""
+
+    files: dict[str, memoryview]  # data files of the root (path -> bytes, mapped read-only)
+    lease: int  # keeps them unchanged until the load lets go
+    copies: set[str]  # which of them are peer copies (another node's files)
+    address: tuple[str, int] | None  # the agent's peer server (None: no job secret)
 
 
 class AgentMismatch(CkptdError):
@@ -151,6 +165,11 @@ class AgentClient:
     @property
     def alive(self) -> bool:
         return self._lost is None
+
+    @property
+    def lost(self) -> AgentLost | None:
+        """Why the agent is lost (None while it is not)."""
+        return self._lost
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         try:
@@ -357,4 +376,4 @@ def _spawn(node: str, paths: dict[str, str]) -> subprocess.Popen[bytes]:
     return proc
 
 
-__all__ = ["AgentClient", "AgentMismatch", "START_TIMEOUT_S"]
+__all__ = ["AgentClient", "AgentLost", "AgentMismatch", "Held", "START_TIMEOUT_S"]

@@ -20,21 +20,26 @@ from typing import Any
 import torch
 
 from ckptd import config
+from ckptd.agent import jobs
+from ckptd.agent.gate import Gate
 from ckptd.agent.session import background
 from ckptd.manifest import layout
 from ckptd.storage import Storage
-from ckptd.writer import remote, retention
+from ckptd.writer import retention
+from ckptd.writer.job import run
+from ckptd.writer.signals import Signals
 
 log = logging.getLogger("ckptd.agent")
 
 
 def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: str,
           give_up: Callable[[list[int]], str | None] | None = None,
-          gate: remote.Gate | None = None) -> None:
+          gate: Gate | None = None) -> None:
     """Write the handed-over job ``header["job"]`` whose staged bytes are ``staged``: its
-    record, its files, its partial; on rank 0 the commit (``give_up``, ``gate``: as in
-    :func:`ckptd.writer.remote.run`), then retention."""
-    job = remote.decode(header["job"], staged)  # every slot checked against the bytes received
+    record, then the job (:func:`ckptd.writer.job.run`: files, partial, on rank 0 the commit;
+    ``give_up``, ``gate``: as there), then the retention that commit owes (a handed-over save
+    is its sender's last: nothing follows it here)."""
+    job = jobs.decode(header["job"], staged)  # every slot checked against the bytes received
     share = job.share
     record = {"step": share.step, "rank": share.rank, "from": str(header["origin"]),
               "to": node, "arrived": time.time(), "nbytes": job.round.nbytes}
@@ -47,12 +52,12 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     background()  # like this node's own saves: its training answers first
     with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io",
                             initializer=background) as io:
-        out = remote.run(storage, io, job, staged, give_up, gate)
+        owed = retention.Owed()
+        out = run(job, storage, io, staged, signals=Signals(None), owed=owed, give_up=give_up,
+                  gate=gate)
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
-                header["origin"], share.rank, share.step, out["nbytes"],
+                header["origin"], share.rank, share.step, out.nbytes,
                 ", committed" if share.rank == 0 else "")
-    owed = retention.Owed()  # a handed-over save is its sender's last: nothing follows it here
-    remote.owe_retention(owed, storage, job)
     owed.settle()
 
 

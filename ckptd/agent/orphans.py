@@ -33,10 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd.agent import jobs
 from ckptd.agent.peer_link import ask
 from ckptd.agent.peers import Replicator
 from ckptd.storage import Storage
-from ckptd.writer import remote
 
 log = logging.getLogger("ckptd.agent")
 
@@ -62,7 +62,7 @@ class JobKey:
     def of(cls, spec: dict[str, Any], job: dict[str, Any]) -> JobKey:
         """From a job message (KeyError, ValueError, TypeError if malformed)."""
         share = job["share"]
-        return cls(root_key(spec), remote.incarnation_of(job["commit"]), str(share["attempt"]),
+        return cls(root_key(spec), jobs.incarnation_of(job["commit"]), str(share["attempt"]),
                    int(share["rank"]))
 
 

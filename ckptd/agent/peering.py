@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptd.agent import handoff
+from ckptd.agent import handoff, jobs
 from ckptd.agent.memory import Kept, OverBudget
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peer_link import NoAnswer, PeerServer, ask, job_secret
@@ -26,7 +26,6 @@ from ckptd.agent.peers import (
 )
 from ckptd.agent.shm import Segment
 from ckptd.errors import CkptdError
-from ckptd.writer import remote
 
 if TYPE_CHECKING:
     import torch
@@ -132,8 +131,8 @@ class Peering:
         if kept is None:
             return {"ok": False, "error": f"holds no copy of {what}"}
         try:
-            job = remote.decode(header["job"], kept.segment.tensor)  # every slot checked
-            if remote.file_ranges(job) != kept.files:
+            job = jobs.decode(header["job"], kept.segment.tensor)  # every slot checked
+            if jobs.file_ranges(job) != kept.files:
                 raise CkptdError("its files are not those of the copy held")
             key = JobKey.of(spec, header["job"])
         except (CkptdError, KeyError, ValueError, TypeError) as e:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptd.agent import orphans, wire
+from ckptd.agent.gate import Gate
 from ckptd.agent.memory import Memory
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peering import Peering
@@ -44,7 +45,7 @@ from ckptd.agent.upkeep import Upkeep, release_after_s
 from ckptd.errors import CkptdError
 from ckptd.manifest import catalog
 from ckptd.storage import Storage, open_storage
-from ckptd.writer import exiting, remote
+from ckptd.writer import exiting
 
 log = logging.getLogger("ckptd.agent")
 
@@ -181,9 +182,9 @@ class Agent:
         bps = self._assumed_bps or self._write_bps
         return min(bps, self.write_rate) if bps and self.write_rate else bps or self.write_rate
 
-    def gate(self) -> remote.Gate:
+    def gate(self) -> Gate:
         """What each file of one save here passes first: the rate limit, and the stop."""
-        return remote.Gate(self.write_rate or None)
+        return Gate(self.write_rate or None)
 
     @contextlib.contextmanager
     def writing(self, flight: Flight) -> Iterator[Flight]:

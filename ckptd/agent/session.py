@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
-from ckptd.agent import wire
+from ckptd.agent import jobs, wire
+from ckptd.agent.gate import Gate
 from ckptd.agent.memory import Kept
 from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
 from ckptd.manifest import codecs
-from ckptd.writer import remote, retention
+from ckptd.writer import retention
+from ckptd.writer.job import Interrupted, SaveJob, run
+from ckptd.writer.signals import Signals
 
 if TYPE_CHECKING:
     from ckptd.agent.peers import Outgoing
@@ -51,7 +54,7 @@ class Flight:
     """One save being written by this agent."""
 
     nbytes: int
-    gate: remote.Gate
+    gate: Gate
     copy: Outgoing | None  # its staged copy, sent to the peers while it is written
 
     @property
@@ -155,7 +158,7 @@ class Session:
                 self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}",
                                               initializer=background)
             self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
-                        "version": remote.VERSION, "identity": wire.identity(),
+                        "version": jobs.VERSION, "identity": wire.identity(),
                         "keep": self.agent.keep_in_memory,
                         "peers": self.agent.peering.replicator is not None,
                         "budget": self.agent.memory.budget, "log": self.agent.paths["log"],
@@ -220,12 +223,12 @@ class Session:
         else:
             raise ValueError(f"unknown request {op!r}")
 
-    def _keep(self, job: remote.Job, seg: Segment, seg_id: int) -> Kept | None:
+    def _keep(self, job: SaveJob, seg: Segment, seg_id: int) -> Kept | None:
         """The memory tier's copy of this step: the arena itself (no copy). Only uncompressed
         files: there the arena range is the file."""
         if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
             return None
-        return Kept(job.share.step, seg, remote.file_ranges(job), self, seg_id,
+        return Kept(job.share.step, seg, jobs.file_ranges(job), self, seg_id,
                     run=job.commit.run_id)
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
@@ -238,9 +241,8 @@ class Session:
         claimed = 0
         try:
             seg = self.segments[seg_id]
-            job = remote.decode(msg["job"], seg.tensor)
+            job = jobs.decode(msg["job"], seg.tensor)
             nbytes = job.round.nbytes
-            self._settle_retention()  # the previous step's, now that this one is staged
             if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
                 staged = seg.view()[:nbytes]
                 to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged,
@@ -252,7 +254,6 @@ class Session:
                             "grace window if it must", what)
                 self.agent.claim(nbytes, force=True)
             claimed = nbytes
-            storage = self.agent.storage(msg["storage"])
             kept = self._keep(job, seg, seg_id)
             early = (self.agent.peering.replicate_staged(msg["storage"], job.share.rank, kept)
                      if kept is not None else None)
@@ -281,7 +282,6 @@ class Session:
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
                      out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})
-            remote.owe_retention(self._retention, storage, job)
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply(wire.failure(rid, e))
@@ -290,20 +290,26 @@ class Session:
             self._job_done(seg_id)
             self.agent.job_ended(key)
 
-    def _write(self, msg: dict[str, Any], job: remote.Job, seg: Segment, key: JobKey,
+    def _write(self, msg: dict[str, Any], job: SaveJob, seg: Segment, key: JobKey,
                early: Outgoing | None) -> dict[str, Any] | str:
-        """Write the job here (:func:`ckptd.writer.remote.run`'s result); or, if the stopping
-        agent stopped it (:meth:`Agent._stop_writes_peers_hold`), have the peer that holds its
-        staged copy write it: that node. Here after all if no such peer will."""
+        """Run the job here (:func:`ckptd.writer.job.run`: files, partial, on rank 0 the
+        commit, the retention this session owes); or, if the stopping agent stopped it
+        (:meth:`Agent._stop_writes_peers_hold`), have the peer that holds its staged copy write
+        it: that node. Here after all if no such peer will."""
         assert self._io is not None, "hello first"
         io = self._io
         storage = self.agent.storage(msg["storage"])
         give_up = self.agent.give_up(msg["storage"], key)
         flight = Flight(job.round.nbytes, self.agent.gate(), early)
+        # a stopping agent removes no old step: its grace window is for saves, and the next
+        # run's writer removes them
+        owed = None if self.agent.stopping.is_set() else self._retention
         try:
             with self.agent.writing(flight):
-                return remote.run(storage, io, job, seg.tensor, give_up, flight.gate)
-        except remote.Stopped as e:
+                out = run(job, storage, io, seg.tensor, signals=Signals(None), owed=owed,
+                          give_up=give_up, gate=flight.gate)
+            return {"nbytes": out.nbytes, "write_s": out.write_s}
+        except Interrupted as e:
             assert early is not None  # only a save with a copy held by a peer is stopped
             written = e.written
         to = self.agent.peering.write_held(msg["storage"], msg["job"], early)
@@ -313,9 +319,10 @@ class Session:
                     "here (%d of its %d files left), past the grace window if it must",
                     job.share.rank, job.share.step, len(job.round.plans) - len(written),
                     len(job.round.plans))
-        out = remote.run(storage, io, job, seg.tensor, give_up, self.agent.gate(), written)
-        out["resumed"] = True  # its write time is of the files left: no bandwidth to learn
-        return out
+        out = run(job, storage, io, seg.tensor, signals=Signals(None), owed=None,
+                  give_up=give_up, gate=self.agent.gate(), written=written)
+        # its write time is of the files left: no bandwidth to learn
+        return {"nbytes": out.nbytes, "write_s": out.write_s, "resumed": True}
 
     def _handed(self, rid: Any, nbytes: int, to: str) -> None:
         """The save ``rid`` is written (and on rank 0 committed) by node ``to``'s agent."""

@@ -16,12 +16,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ckptd.agent.client import AgentClient
 from ckptd.agent.peer_link import PeerReads, job_secret
 from ckptd.errors import CkptdError
 from ckptd.storage import Storage
 from ckptd.storage.memory_tier import MemoryTier, Remote
 from ckptd.world import dist_or_none, gather_object
-from ckptd.writer.remote import Offload
 
 log = logging.getLogger("ckptd")
 
@@ -30,7 +30,7 @@ Offer = tuple[tuple[str, int] | None, list[tuple[str, int, bool]]]
 
 
 @contextlib.contextmanager
-def memory_tier(offload: Offload | None, storage: Storage, spec: dict[str, Any] | None,
+def memory_tier(offload: AgentClient | None, storage: Storage, spec: dict[str, Any] | None,
                 rank: int, world_size: int, *, agents: bool) -> Iterator[MemoryTier | None]:
     """For one load: the agents' memory in front of ``storage``, pinned until the load is done;
     None when no agent holds anything of the root. ``agents``: this Checkpointer uses node

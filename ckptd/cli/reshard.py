@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
 
 if TYPE_CHECKING:
-    from ckptd.manifest.schema import Manifest
-    from ckptd.reshard.layout_file import LayoutSpec
     from ckptd.reshard.offline import RankReport
 
 
@@ -72,19 +71,6 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layout(args: argparse.Namespace, manifest: Manifest, zero: int | None) -> LayoutSpec:
-    from ckptd.reshard.infer import infer_layout
-    from ckptd.reshard.layout_file import read_layout
-
-    if args.layout:
-        spec = read_layout(args.layout)
-    else:  # inferred for the stage it will run with (FSDP2's dim-0 rules only without ZeRO)
-        stage = args.zero if args.zero is not None else zero or 0
-        spec = infer_layout(manifest, args.tp or 1, args.pp or 1, stage)
-    return spec.with_parallel(args.tp, args.pp, args.zero if args.zero is not None else
-                              (None if args.layout else zero))
-
-
 def cmd_reshard(args: argparse.Namespace) -> int:
     """The process does nothing else: no cyclic collection while it decodes, plans and moves
     ~50,000 pieces at --to-world 1024 (their objects hold no cycles; benchmarks/README.md)."""
@@ -95,63 +81,47 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from ckptd import config
-    from ckptd.elastic.reshard import replan_training
-    from ckptd.reshard.offline import Resharder
-    from ckptd.reshard.targets import Resolver
-    from ckptd.storage import open_storage
+    from ckptd.elastic.reshard import reshard
 
     if not args.dry_run and not args.out:
         raise ValueError("--out DEST is required (or --dry-run)")
-    storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
-    world = args.to_world
-    replanned = replan_training(manifest.training, manifest, world, zero=args.zero,
-                                mem_limit_gib=args.mem_limit_gib,
-                                max_micro_batch_size=args.max_micro_batch_size,
-                                tolerance=args.tolerance)
-    zero = None
-    if replanned is not None:
-        zero = int(replanned.training["spec"]["zero_stage"])
-        print(replanned.table, file=sys.stderr if args.json else sys.stdout)
-    spec = _layout(args, manifest, zero)
-    assignment = Resolver(spec, manifest, world).assignment()
-    total = 0
-    resharder = Resharder(
-        storage, step, manifest, assignment,
-        budget=args.budget or config.get().load_budget_bytes,
-        threads=args.threads or config.io_threads(),
-        replicate_small=config.get().replicate_small_bytes,
-        compression=args.compression)
-    total = sum(p.write_bytes for p in resharder.plans)
-    bar = progress(total, "plan" if args.dry_run else "reshard")
-    resharder.on_bytes = bar.update
+    bars = []
+
+    def bar(total: int, dry_run: bool) -> Callable[[int], None]:
+        bars.append(progress(total, "plan" if dry_run else "reshard"))
+        return bars[-1].update  # type: ignore[no-any-return]
+
     try:
-        if args.dry_run:
-            reports = resharder.dry_run()
-            out: dict[str, Any] = {"dry_run": True}
-        else:
-            resharder.dest = open_storage(args.out, args.out_storage_options
-                                          or args.storage_options)
-            training = replanned.training if replanned is not None else dict(manifest.training)
-            new, reports = resharder.run(training)
-            out = {"dry_run": False, "url": f"{resharder.dest.url}/step-{new.step:09d}",
-                   "attempt": new.attempt, "nbytes": new.nbytes,
-                   "source_bytes_read": resharder.source_bytes_read}
+        r = reshard(args.ckpt, args.to_world, out=args.out, dry_run=args.dry_run, tp=args.tp,
+                    pp=args.pp, zero=args.zero, layout=args.layout,
+                    storage_options=args.storage_options,
+                    out_storage_options=args.out_storage_options, threads=args.threads,
+                    budget=args.budget, compression=args.compression,
+                    mem_limit_gib=args.mem_limit_gib,
+                    max_micro_batch_size=args.max_micro_batch_size, tolerance=args.tolerance,
+                    progress=bar)
     finally:
-        bar.close()
-    out.update(step=step, world_size=world, tp=spec.tp, pp=spec.pp, zero=spec.zero.stage,
-               ranks=[r.to_json() for r in reports])
-    if replanned is not None:
-        out["training_spec"] = replanned.training["spec"]
+        for b in bars:
+            b.close()
+    if r.replanned is not None:
+        print(r.replanned.table, file=sys.stderr if args.json else sys.stdout)
+    out: dict[str, Any] = {"dry_run": r.dry_run}
+    if not r.dry_run:
+        out.update(url=r.url, attempt=r.attempt, nbytes=r.nbytes,
+                   source_bytes_read=r.source_bytes_read)
+    out.update(step=r.step, world_size=r.world_size, tp=r.tp, pp=r.pp, zero=r.zero,
+               ranks=[rep.to_json() for rep in r.reports])
+    if r.replanned is not None:
+        out["training_spec"] = r.replanned.training["spec"]
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        _print_reports(reports, args.dry_run)
-        if not args.dry_run:
-            print(f"read {human(resharder.source_bytes_read)} from the source (a block cache "
+        _print_reports(r.reports, r.dry_run)
+        if not r.dry_run:
+            print(f"read {human(r.source_bytes_read)} from the source (a block cache "
                   "serves the frames several target ranks share)")
-            print(f"committed {out['url']}: world {world} (tp {spec.tp}, pp {spec.pp}, "
-                  f"dp {assignment.dp}, ZeRO {spec.zero.stage}), {human(out['nbytes'])}")
+            print(f"committed {r.url}: world {r.world_size} (tp {r.tp}, pp {r.pp}, "
+                  f"dp {r.dp}, ZeRO {r.zero}), {human(r.nbytes)}")
     return 0
 
 

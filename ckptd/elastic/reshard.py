@@ -1,4 +1,7 @@
-"""Batch settings of a checkpoint resharded offline (``ckptd reshard``): when the saved
+"""``ckptd.reshard()``: a committed checkpoint rewritten for a planned new world, the library
+function ``ckptd reshard`` calls (:func:`reshard`), and the batch settings of the result.
+
+Batch settings of a checkpoint resharded offline: when the saved
 ``training`` metadata is an elastic run's (:class:`ckptd.elastic.history.TrainingMeta`, its
 only reader and writer), the run's reference settings are re-planned for the new world with
 :func:`ckptd.elastic.replan` (as ``elastic.resume()`` would on that world) and recorded through
@@ -14,14 +17,20 @@ from the checkpoint: parameters = elements of ``model/*``, hidden size = the com
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from ckptd import config
 from ckptd.elastic.history import NotElastic, TrainingMeta, resharded
 from ckptd.elastic.search import replan
 from ckptd.elastic.specs import infer_model
 from ckptd.elastic.table import plan_table, render_markdown
 from ckptd.manifest import Manifest
+
+if TYPE_CHECKING:
+    from ckptd.reshard.layout_file import LayoutSpec
+    from ckptd.reshard.offline import RankReport
 
 
 @dataclass
@@ -53,3 +62,92 @@ def replan_training(training: dict[str, Any], manifest: Manifest, world: int, *,
     table = render_markdown(plan_table(model, meta.reference, [world], **kwargs))
     new = resharded(meta, plan.training, step=manifest.step, time=time.time())
     return Replanned(new.to_json(), table, inferred)
+
+
+@dataclass
+class Resharded:
+    """What :func:`reshard` did (or, ``dry_run``, would do)."""
+
+    source_url: str
+    step: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    reports: list[RankReport]  # per target rank: pieces, bytes held, written, read
+    replanned: Replanned | None  # the elastic run's new batch settings, if it is one
+    dry_run: bool
+    url: str | None = None  # the committed step (None: dry run)
+    attempt: str | None = None
+    nbytes: int = 0  # bytes written
+    source_bytes_read: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = False,
+            tp: int | None = None, pp: int | None = None, zero: int | None = None,
+            layout: str | LayoutSpec | None = None,
+            storage_options: dict[str, Any] | None = None,
+            out_storage_options: dict[str, Any] | None = None, threads: int | None = None,
+            budget: int | None = None, compression: str = "same",
+            mem_limit_gib: float | None = None, max_micro_batch_size: int | None = None,
+            tolerance: float | None = None,
+            progress: Callable[[int, bool], Callable[[int], None]] | None = None) -> Resharded:
+    """Rewrite the committed checkpoint ``ckpt`` (a root: its newest step, or
+    ``ROOT/step-NNNNNNNNN``) packed per rank of a world of ``world`` ranks, committed under
+    the new root ``out`` (which must not be a ckptd root already: taking one over would fail
+    the job writing there). ``dry_run``: plan only (per target rank: bytes to read, ranges,
+    peak memory). The target layout: a layout file (``layout``), else inferred from the
+    checkpoint for ``tp``/``pp``/``zero`` (``ckptd layout`` writes the same). An elastic run's
+    batch settings are re-planned for ``world`` (``mem_limit_gib``, ``max_micro_batch_size``,
+    ``tolerance`` override its policy) and the ZeRO stage follows them unless ``zero`` is
+    given. ``progress(total_bytes, dry_run)`` returns what is called with each rank's bytes."""
+    from ckptd.manifest.catalog import open_step
+    from ckptd.reshard.infer import infer_layout
+    from ckptd.reshard.layout_file import read_layout
+    from ckptd.reshard.offline import Resharder
+    from ckptd.reshard.targets import Resolver
+    from ckptd.storage import open_storage
+
+    if world < 1:
+        raise ValueError(f"the world size must be at least 1, got {world}")
+    if not dry_run and not out:
+        raise ValueError("reshard: give the new root (out) or ask for a dry run")
+    storage, step, manifest = open_step(ckpt, storage_options)
+    replanned = replan_training(manifest.training, manifest, world, zero=zero,
+                                mem_limit_gib=mem_limit_gib,
+                                max_micro_batch_size=max_micro_batch_size, tolerance=tolerance)
+    planned_zero = (int(replanned.training["spec"]["zero_stage"])
+                    if replanned is not None else None)
+    if layout is not None:
+        spec = read_layout(layout) if isinstance(layout, str) else layout
+        spec = spec.with_parallel(tp, pp, zero)
+    else:  # inferred for the stage it will run with (FSDP2's dim-0 rules only without ZeRO)
+        stage = zero if zero is not None else planned_zero or 0
+        spec = infer_layout(manifest, tp or 1, pp or 1, stage).with_parallel(
+            tp, pp, zero if zero is not None else planned_zero)
+    assignment = Resolver(spec, manifest, world).assignment()
+    resharder = Resharder(
+        storage, step, manifest, assignment,
+        budget=budget or config.get().load_budget_bytes,
+        threads=threads or config.io_threads(),
+        replicate_small=config.get().replicate_small_bytes, compression=compression)
+    if progress is not None:
+        resharder.on_bytes = progress(sum(p.write_bytes for p in resharder.plans), dry_run)
+    result = Resharded(storage.url, step, world, spec.tp, spec.pp, assignment.dp,
+                       spec.zero.stage, [], replanned, dry_run)
+    if dry_run:
+        result.reports = resharder.dry_run()
+        return result
+    assert out is not None
+    resharder.dest = open_storage(out, out_storage_options or storage_options)
+    training = replanned.training if replanned is not None else dict(manifest.training)
+    new, result.reports = resharder.run(training)
+    result.url = f"{resharder.dest.url}/step-{new.step:09d}"
+    result.attempt, result.nbytes = new.attempt, new.nbytes
+    result.source_bytes_read = resharder.source_bytes_read
+    return result
+
+
+__all__ = ["Replanned", "Resharded", "replan_training", "reshard"]

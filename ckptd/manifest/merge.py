@@ -19,8 +19,11 @@ from ckptd.manifest.schema import Chunk, Manifest, TensorEntry
 from ckptd.regions import Box
 
 
-def merge(partials: Sequence[Manifest]) -> Manifest:
-    """The step's manifest from every rank's partial (one per rank of the saving world)."""
+def merge(partials: Sequence[Manifest], *, keep_copies: bool = False) -> Manifest:
+    """The step's manifest from every rank's partial (one per rank of the saving world).
+    ``keep_copies``: keep every rank's chunk of a box several ranks wrote (an offline reshard
+    writes a small replicated box into each target rank's files, to be read from there), not
+    only the first."""
     if not partials:
         raise CorruptCheckpoint("no partial manifests to merge")
     first = partials[0]
@@ -52,7 +55,7 @@ def merge(partials: Sequence[Manifest]) -> Manifest:
                     f"earlier rank {known.dtype_name} shape {known.shape}"
                 )
             for c in entry.chunks:
-                if c.box not in seen[name]:
+                if keep_copies or c.box not in seen[name]:
                     seen[name].add(c.box)
                     chunks[name].append(c)
     for p in partials:

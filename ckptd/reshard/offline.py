@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.hostarray import HostArray
-from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout, merge
+from ckptd.manifest import Chunk, Manifest, TensorEntry, catalog, codecs, layout
 from ckptd.regions import Box
 from ckptd.reshard import direct, waves
 from ckptd.reshard.load import gap_bytes, make_plan
@@ -225,16 +224,18 @@ class Resharder:
         dest = self.dest
         if dest is None:
             raise CkptdError("reshard: no destination")
-        if dest.exists(layout.manifest_path(self.step)):
-            raise CkptdError(f"{dest.url}/{layout.step_dir(self.step)}: already committed; choose "
-                             "another --out")
+        owner = catalog.read_owner(dest)
+        if owner is not None:  # taking it over would make the job writing there fail
+            raise CkptdError(
+                f"{dest.url}: a ckptd root owned by run {owner.run} already; reshard into a "
+                "new root (--out), then point the job at it")
         run_id = f"reshard{uuid.uuid4().hex[:8]}"
         attempt = f"{run_id}-000001"
         codec, level = output_codec(self.manifest, self.compression)
         read_budget = Buffers(self.budget // 8)
         partials: list[Manifest | None] = [None] * len(self.plans)
         reports: list[RankReport | None] = [None] * len(self.plans)
-        commit.claim(dest, run_id)
+        generation = commit.claim(dest, run_id)
         # The source's files, opened once for every target rank, with a block cache for the
         # frames that consecutive ranks and waves share at their edges.
         files = StepFiles(self.source, self.src_dir,
@@ -297,18 +298,12 @@ class Resharder:
                 raise
             assert files.cache is not None
             self.source_bytes_read = files.cache.fetched
-        written = [p for p in partials if p is not None]
-        merged = merge(written)
-        every: dict[str, list[Chunk]] = {name: [] for name in merged.tensors}
-        for p in written:  # keep every rank's copy (merge keeps one): one pass over the partials
-            for name, entry in p.tensors.items():
-                every[name] += entry.chunks
-        tensors = {name: TensorEntry(e.dtype_name, e.shape, tuple(every[name]))
-                   for name, e in merged.tensors.items()}
         m = self.manifest
-        out = Manifest(m.step, attempt, len(self.plans), time.time(), tensors, dict(m.values),
-                       {k: dict(v) for k, v in m.locals.items()}, training)
-        commit.commit(dest, out, run_id)
+        # every target rank's copy of a replicated box is kept: each reads its own
+        out = commit.commit_partials(
+            dest, [p for p in partials if p is not None], run_id, generation=generation,
+            keep_copies=True, values=dict(m.values),
+            locals={k: dict(v) for k, v in m.locals.items()}, training=training)
         return out, [r for r in reports if r is not None]
 
     def _share(self, p: RankPlan, attempt: str) -> Share:

@@ -192,6 +192,22 @@ def attempt_failed(storage: Storage, step: int, attempt: str, signals: Signals) 
 
 
 # ----------------------------------------------------------------------------- the commit
+def commit_partials(storage: Storage, partials: list[Manifest], run_id: str | None, *,
+                    generation: int, overwrite: bool = False, keep_copies: bool = False,
+                    **fields: Any) -> Manifest:
+    """The one merge-then-commit, for every writer of a step: a save's coordinator (whichever
+    executor runs it), ``ckptd finalize`` and a new owner's takeover, the offline reshard and
+    the DCP import. Merge the partials (coverage, agreement: :func:`ckptd.manifest.merge`;
+    ``keep_copies``: every rank's copy of a replicated box), stamp the owner's ``generation``
+    (and ``fields`` of the manifest a writer sets itself: the reshard's training metadata),
+    then :func:`commit`."""
+    with gcpause.paused():  # a thousand partials' objects: see ckptd/gcpause.py
+        manifest = replace(merge(partials, keep_copies=keep_copies), generation=generation,
+                           **fields)
+        commit(storage, manifest, run_id, overwrite=overwrite)
+    return manifest
+
+
 def commit(
     storage: Storage, manifest: Manifest, run_id: str | None, *, overwrite: bool = False
 ) -> None:
@@ -287,11 +303,8 @@ def coordinate(
                     f"step {step}: ranks {missing} did not finish their share within "
                     f"{timeout_s:.0f}s; not committed"
                 )
-        with gcpause.paused():  # a thousand partials' objects: see ckptd/gcpause.py
-            manifest = replace(merge(read_partials(storage, step, attempt)),
-                               generation=generation)
-            commit(storage, manifest, run_id, overwrite=overwrite)
-            del manifest  # freed by reference counts, before the collector is back
+        commit_partials(storage, read_partials(storage, step, attempt), run_id,
+                        generation=generation, overwrite=overwrite)
         committed = True
         signals.publish_committed(attempt)
     except BaseException as e:
@@ -416,7 +429,8 @@ def recover(storage: Storage, owner: Owner) -> list[int]:
 def _finalize_as(
     storage: Storage, step: int, run: str | None, generation: int
 ) -> Manifest | None:
-    best: Manifest | None = None
+    """Commit ``step`` from the newest complete, unfailed attempt of ``run`` (None: any)."""
+    best: list[Manifest] | None = None
     for attempt in storage.list_dir(f"{layout.step_dir(step)}/ranks"):
         if run is not None and attempt_run(attempt) != run:
             continue  # another job's attempt: never commit it into this owner's root
@@ -426,11 +440,8 @@ def _finalize_as(
         partials = read_partials(storage, step, attempt)
         if not partials or len(partials) != partials[0].world_size:
             continue
-        m = merge(partials)
-        if best is None or m.created > best.created:
-            best = m
+        if best is None or max(p.created for p in partials) > max(p.created for p in best):
+            best = partials
     if best is None:
         return None
-    best = replace(best, generation=generation)
-    commit(storage, best, run)
-    return best
+    return commit_partials(storage, best, run, generation=generation)

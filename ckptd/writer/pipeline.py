@@ -317,18 +317,22 @@ class RankWriter:
         return chunks
 
     def discard(self, share: Share, files: int, *, partial: bool = False) -> None:
-        """Best effort: a failed save should not keep holding space (a full disk). ``partial``:
-        its partial manifest too (once the attempt failed for good: no commit can use it)."""
-        names = [layout.data_file(share.attempt, share.rank, i) for i in range(files)]
-        paths = [f"{layout.step_dir(share.step)}/{name}"
-                 for name in [*names, layout.frame_table(share.attempt, share.rank)]]
-        if partial:
-            paths.append(layout.partial_path(share.step, share.attempt, share.rank))
-        for path in paths:
-            try:
-                self.storage.remove(path)
-            except OSError as e:
-                log.warning("ckptd: could not remove %s: %s", path, e)
+        discard_share(self.storage, share, files, partial=partial)
+
+
+def discard_share(storage: Storage, share: Share, files: int, *, partial: bool = False) -> None:
+    """Best effort: a failed save should not keep holding space (a full disk). ``partial``: its
+    partial manifest too (once the attempt failed for good: no commit can use it)."""
+    names = [layout.data_file(share.attempt, share.rank, i) for i in range(files)]
+    paths = [f"{layout.step_dir(share.step)}/{name}"
+             for name in [*names, layout.frame_table(share.attempt, share.rank)]]
+    if partial:
+        paths.append(layout.partial_path(share.step, share.attempt, share.rank))
+    for path in paths:
+        try:
+            storage.remove(path)
+        except OSError as e:
+            log.warning("ckptd: could not remove %s: %s", path, e)
 
 
 def stored_bytes(chunks: list[tuple[str, Chunk]]) -> int:

@@ -1,0 +1,115 @@
+"""The node agent's wire form of a save job (:class:`ckptd.writer.job.SaveJob`): what the
+trainer sends after it staged an arena in the agent's shared memory, and what the agent
+rebuilds over its own mapping of the same memory — JSON (names, boxes, arena offsets, the
+codec, the framing, the commit's parameters; never tensor data, never a pickle). Every offset is
+checked against the arena on the way in: a job that points outside it is refused, not followed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ckptd.errors import CkptdError
+from ckptd.manifest import TensorEntry, layout
+from ckptd.manifest.schema import dtype_from_name, dtype_name
+from ckptd.regions import Box
+from ckptd.sharding import Piece
+from ckptd.writer.files import Framing
+from ckptd.writer.job import Commit, SaveJob
+from ckptd.writer.pack import FilePlan, Slot
+from ckptd.writer.pipeline import Round, Share
+
+VERSION = 1
+
+
+def incarnation_of(commit_doc: dict[str, Any]) -> str:
+    """A job's ``commit`` entry: its incarnation (a trainer that sends none: the run id)."""
+    return str(commit_doc.get("incarnation") or commit_doc["run_id"])
+
+
+def encode(job: SaveJob) -> dict[str, Any]:
+    """The job: everything the agent needs to write it as the saving process would have —
+    the plan, the codec and the framing, the commit's parameters (never tensor data)."""
+    share, rnd, framing, commit_ = job.share, job.round, job.framing, job.commit
+    return {
+        "version": VERSION,
+        "share": {
+            "step": share.step, "attempt": share.attempt, "rank": share.rank,
+            "world_size": share.world_size,
+            "declared": {n: [dtype_name(e.dtype), list(e.shape)]
+                         for n, e in share.declared.items()},
+            "values": share.values, "locals": share.locals, "training": share.training,
+        },
+        "nbytes": rnd.nbytes,
+        "files": [{"index": p.index, "start": p.start, "end": p.end,
+                   "slots": [[s.piece.name, list(s.piece.box.offsets), list(s.piece.box.sizes),
+                              s.offset, s.nbytes] for s in p.slots]} for p in rnd.plans],
+        "codec": job.codec, "level": job.level, "frame_bytes": framing.frame_bytes,
+        "framing": {"min_frame_bytes": framing.min_frame_bytes,
+                    "frames_per_chunk": framing.frames_per_chunk},
+        "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
+                   "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
+                   "incarnation": commit_.incarnation, "timeout_s": commit_.timeout_s},
+    }
+
+
+def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
+    """The job ``doc`` describes, its pieces viewing ``arena`` (the staged bytes). Every offset
+    is checked against the arena: a job that points outside it is refused, not followed."""
+    if doc.get("version") != VERSION:
+        raise CkptdError(f"agent job version {doc.get('version')!r}, expected {VERSION}")
+    s = doc["share"]
+    declared = {n: TensorEntry(dtype_from_name(d, n), tuple(int(x) for x in shape))
+                for n, (d, shape) in s["declared"].items()}
+    plans = []
+    for f in doc["files"]:
+        slots = []
+        for name, offsets, sizes, offset, nbytes in f["slots"]:
+            entry = declared.get(name)
+            if entry is None:
+                raise CkptdError(f"agent job: slot for undeclared tensor {name!r}")
+            itemsize = entry.dtype.itemsize
+            if (nbytes != math.prod(sizes) * itemsize or offset < 0 or offset % itemsize
+                    or offset + nbytes > arena.numel()):
+                raise CkptdError(f"agent job: slot of {name!r} at {offset}+{nbytes} does not "
+                                 f"fit its box or the {arena.numel()}-byte arena")
+            view = arena[offset: offset + nbytes].view(entry.dtype).view(tuple(sizes))
+            box = Box(tuple(offsets), tuple(sizes))
+            slots.append(Slot(Piece(name, entry.shape, entry.dtype, box, view), offset, nbytes))
+        plans.append(FilePlan(f["index"], f["start"], f["end"], slots))
+    share = Share(s["step"], s["attempt"], s["rank"], s["world_size"], declared,
+                  s["values"], s["locals"], s["training"])
+    c, f = doc["commit"], doc.get("framing") or {}
+    cfg = Framing.current()  # (a job without them: this process's)
+    framing = Framing(_positive(doc.get("frame_bytes", cfg.frame_bytes), "frame_bytes"),
+                      _positive(f.get("min_frame_bytes", cfg.min_frame_bytes), "min_frame_bytes"),
+                      _positive(f.get("frames_per_chunk", cfg.frames_per_chunk),
+                                "frames_per_chunk"))
+    timeout = c.get("timeout_s")
+    return SaveJob(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
+                   framing, Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
+                                   int(c["keep_last"]), incarnation_of(c),
+                                   None if timeout is None else float(timeout)))
+
+
+def _positive(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CkptdError(f"agent job: {name} {value!r} is not a positive integer")
+    return value
+
+
+def file_ranges(job: SaveJob) -> dict[str, tuple[int, int]]:
+    """Each data file of the job (its path under the root) and its bytes' range in the arena:
+    with the raw codec, the file itself."""
+    share = job.share
+    step_dir = layout.step_dir(share.step)
+    return {f"{step_dir}/{layout.data_file(share.attempt, share.rank, p.index)}": (p.start, p.end)
+            for p in job.round.plans}
+
+
+
+
+__all__ = ["VERSION", "decode", "encode", "file_ranges", "incarnation_of"]

@@ -1,0 +1,188 @@
+"""Who runs a save's background half (:func:`ckptd.writer.job.run`): the seam between a
+:class:`~ckptd.writer.save.Saver` (plan, stage, submit) and an executor.
+
+An executor gives the Saver its staging memory (``pool``), takes each staged job
+(:meth:`Executor.start`, in the caller's thread) and carries it to its end (:meth:`Executor.
+finish`, on the Saver's save thread): the files, the partial and, on rank 0, the commit. Two
+executors exist: :class:`InProcess` (this process's I/O threads) and the node agent's
+(``ckptd.agent.executor.AgentExecutor``: another process writes from the same staged memory and
+survives this one; it falls back to an :class:`InProcess` of its own when the agent is lost).
+The other ranks' wait for the commit, the handle and the metrics are the Saver's, whichever
+executor ran the job.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor as Threads
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckptd.storage import Storage
+from ckptd.writer import retention
+from ckptd.writer.autocodec import AutoCodec
+from ckptd.writer.files import ChunkList
+from ckptd.writer.job import SaveJob, run
+from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
+from ckptd.writer.signals import Signals
+from ckptd.writer.staging import Arena, StagingPool
+
+
+@dataclass
+class Pending:
+    """A job an executor has taken, until :meth:`Executor.finish`."""
+
+    job: SaveJob
+    arena: Arena | None  # the staged bytes (None: a save over the host budget, written already)
+    pool: StagingPool | None  # where ``arena`` goes back to
+    futures: list[Future[ChunkList]] | None = None  # its files, under way in this process
+    chunks: ChunkList | None = None  # its files, written (a save over the host budget)
+    ticket: Any = None  # the node agent's hold on it (its executor's business)
+    only_commit: bool = False  # its files and partial are in place (a lost agent wrote them)
+    t_write: float = 0.0  # when its first file was handed to an I/O thread
+    t_files: float = 0.0  # when its last file was written (in this process)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: its stored bytes, and whether the commit is done (rank 0: it is, unless
+    ``handed_to`` — a peer's node agent writes the share and, on rank 0, commits)."""
+
+    nbytes: int
+    write_s: float
+    handed_to: str | None = None
+
+
+class Executor(Protocol):
+    """Where a Saver's jobs run (the module docstring)."""
+
+    @property
+    def name(self) -> str:
+        """``"process"`` or ``"agent"``: what runs the saves now."""
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether a job's files may start while the caller still stages, file by file."""
+
+    @property
+    def spare_arenas(self) -> int:
+        """Arenas it may hold besides the one being staged (``reserve()`` allocates them)."""
+
+    @property
+    def signals(self) -> Signals:
+        """How this rank's failures and commits reach the other ranks at once."""
+
+    @property
+    def pool(self) -> StagingPool: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether a save it cannot write inside a SIGTERM's grace window may go to a peer."""
+
+    def start(self, job: SaveJob, arena: Arena, pool: StagingPool, *,
+              stage_first: bool) -> Pending:
+        """Take ``job`` over (its arena staged, or with ``stage_first`` staged file by file as
+        its files start). Returns once it holds the job."""
+
+    def written(self, job: SaveJob, chunks: ChunkList) -> Pending:
+        """Take over a job whose files the caller wrote (a save over the host budget)."""
+
+    def finish(self, pending: Pending) -> Outcome:
+        """Carry the job to its end; raises its failure (recorded and cleaned up already)."""
+
+    def committed(self, rank: int, step: int) -> None:
+        """This rank saw its ``step`` commit (a rank other than 0)."""
+
+    def settle(self) -> None:
+        """The retention owed, now: the Saver closes."""
+
+    def close(self) -> None: ...
+
+
+class InProcess:
+    """This process's own I/O threads run the jobs (``io``, shared with loads)."""
+
+    name = "process"
+    spare_arenas = 0
+    hands_off = False
+    alive = True
+
+    def __init__(self, storage: Storage, io: Threads, signals: Signals, slots: int,
+                 auto: AutoCodec | None = None, pool: StagingPool | None = None) -> None:
+        self.storage, self.io, self.signals, self.auto = storage, io, signals, auto
+        self._pool = pool if pool is not None else StagingPool(slots)
+        self.owed = retention.Owed()  # after rank 0's commit, settled by its next save
+        self.pipelines = True
+
+    @property
+    def pool(self) -> StagingPool:
+        return self._pool
+
+    def writer(self, codec: str, level: int) -> RankWriter:
+        return RankWriter(self.storage, self.io, self._pool, codec, level)
+
+    def start(self, job: SaveJob, arena: Arena, pool: StagingPool, *,
+              stage_first: bool) -> Pending:
+        pending = Pending(job, arena, pool, t_write=time.perf_counter())
+        pending.futures = self.writer(job.codec, job.level).start_files(
+            job.share, arena, job.round, 0, stage_first=stage_first, codec=job.codec,
+            framing=job.framing)
+
+        def done(_: Future[ChunkList]) -> None:
+            pending.t_files = max(pending.t_files, time.perf_counter())
+
+        for f in pending.futures:
+            f.add_done_callback(done)
+        return pending
+
+    def written(self, job: SaveJob, chunks: ChunkList) -> Pending:
+        return Pending(job, None, None, chunks=chunks)
+
+    def write_rounds(self, share: Share, rounds: list[Round], codec: str,
+                     level: int) -> ChunkList:
+        """A save over the host budget, staged and written round by round (blocking)."""
+        return self.writer(codec, level).write_rounds(share, rounds, codec=codec)
+
+    def finish(self, pending: Pending) -> Outcome:
+        job = pending.job
+        try:
+            out = run(job, self.storage, self.io,
+                      pending.arena.tensor if pending.arena is not None else None,  # type: ignore[arg-type]
+                      signals=self.signals, owed=self.owed, started=pending.futures,
+                      chunks=pending.chunks, only_commit=pending.only_commit)
+        finally:
+            for f in pending.futures or ():
+                f.exception()  # every write that reads the arena has returned
+            if pending.arena is not None and pending.pool is not None:
+                if self.auto is not None and pending.futures is not None:
+                    self._observe(pending)
+                pending.pool.release(pending.arena)
+        return Outcome(out.nbytes, out.write_s)
+
+    def _observe(self, pending: Pending) -> None:
+        """Teach ``compression="auto"`` what this save's files cost."""
+        assert self.auto is not None and pending.arena is not None
+        futures = pending.futures or []
+        if any(f.exception() is not None for f in futures):
+            return
+        chunks = [c for f in futures for c in f.result()]
+        self.auto.observe_save(
+            stored_bytes(chunks), pending.t_files - pending.t_write, pending.job.codec,
+            [(s.piece.tensor, s.offset, s.nbytes) for p in pending.job.round.plans
+             for s in p.slots], pending.arena.tensor)
+
+    def committed(self, rank: int, step: int) -> None:
+        pass
+
+    def settle(self) -> None:
+        self.owed.settle()
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["Executor", "InProcess", "Outcome", "Pending"]
