@@ -1,10 +1,13 @@
-"""What the node agent, on by default, costs a job's start: a Checkpointer's construction.
+"""What the node agent, on by default in a launched job, costs a job's start: a
+Checkpointer's construction.
 
     python benchmarks/agent_start.py [--runs 5] [--contend N]
 
-Per run, in a fresh agent directory (no agent running): ``Checkpointer(root, agent=False)``;
-the default with no agent running (the first Checkpointer of a node: it starts the agent and
-waits for it to listen); the default again with that agent running (every later one). Then
+Per run, in a fresh agent directory (no agent running): the default in a script run by hand
+(no launcher: in process); ``Checkpointer(root, agent=False)``; the default under a launcher
+(torchrun's ``TORCHELASTIC_RUN_ID`` set) with no agent running (the first Checkpointer of a
+node: it starts the agent and waits for it to listen); the same with that agent running (every
+later one). Then
 what the first costs is made of: a fresh interpreter importing ``torch`` (what the agent does
 before it listens) and one importing ``ckptd.agent.wire`` (what would answer without torch).
 Medians of ``--runs``, min–max beside.
@@ -44,10 +47,17 @@ def one_run(base: str) -> dict[str, float]:
     agent_dir = tempfile.mkdtemp(prefix="ckas")  # a socket path is at most 107 bytes
     root = tempfile.mkdtemp(dir=base)
     out = {}
-    # CKPTD_AGENT empty: the library's default (common.py sets 0 for the other benchmarks)
+    # CKPTD_AGENT empty: the library's default (common.py sets 0 for the other benchmarks):
+    # in process for a script run by hand; the agent for a job a launcher started (torchrun's
+    # variable, set here)
+    for launched in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "WORLD_SIZE"):
+        os.environ.pop(launched, None)  # this script is run by hand
     with common.environ({"CKPTD_AGENT_DIR": agent_dir, "CKPTD_AGENT": ""}):
+        out["agent=False"] = _timed(lambda: ckptd.Checkpointer(root, agent=False))
+        out["default, no launcher"] = _timed(lambda: ckptd.Checkpointer(root))
+    with common.environ({"CKPTD_AGENT_DIR": agent_dir, "CKPTD_AGENT": "",
+                         "TORCHELASTIC_RUN_ID": "bench"}):
         try:
-            out["agent=False"] = _timed(lambda: ckptd.Checkpointer(root, agent=False))
             out["default, the agent starts"] = _timed(lambda: ckptd.Checkpointer(root))
             out["default, the agent runs"] = _timed(lambda: ckptd.Checkpointer(root))
         finally:

@@ -44,7 +44,6 @@ import common  # noqa: E402
 from agent_procs import Agents, alive, wait_until  # noqa: E402
 
 import ckptd  # noqa: E402
-from ckptd.agent import wire  # noqa: E402
 from ckptd.agent.client import AgentClient  # noqa: E402
 
 _LEFT = re.compile(r"rank 0 step \d+: stopped with (\d+) of (\d+) bytes to write")
@@ -100,8 +99,7 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
                 out["handed"] = float(result.handed_to == "b")  # (not: it fit the grace left)
             finally:
                 ckpt.close()
-            with open(wire.paths("a", agent_dir)["log"]) as f:
-                m = _LEFT.search(f.read())
+            m = _LEFT.search(agents.log("a"))
             out["left"] = int(m.group(1)) if m else float("nan")
     finally:
         for node in ("a", "b"):

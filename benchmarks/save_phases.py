@@ -26,9 +26,10 @@ class TimedStorage(LocalStorage):
         super().__init__(root)
         self.events: list[tuple[str, str, float, float]] = []
 
-    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview],
+                   gate=None) -> int:  # type: ignore[no-untyped-def]
         t = time.perf_counter()
-        n = super().write_file(path, parts)
+        n = super().write_file(path, parts, gate)
         self.events.append(("write", path.rsplit("/", 1)[-1], t, time.perf_counter() - t))
         return n
 

@@ -27,6 +27,7 @@ from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
+from ckptd.storage.base import as_storage
 from ckptd.world import agree_attempt_base, agree_run_id, dist_or_none, resolve_world
 from ckptd.writer import exiting
 from ckptd.writer.autocodec import AutoCodec
@@ -82,7 +83,8 @@ class Checkpointer:
         on Linux. With ``agent=False``, with no agent to be had, or with ``storage=`` (an
         object another process cannot open) saves run in this process."""
         self.rank, self.world_size = resolve_world(rank, world_size)
-        self.storage = storage if storage is not None else open_storage(root, storage_options)
+        self.storage = (as_storage(storage) if storage is not None
+                        else open_storage(root, storage_options))
         self.url = self.storage.url
         self.keep_last = keep_last
         self.threads = self.threads_for(threads)
@@ -106,9 +108,9 @@ class Checkpointer:
                 keep_last=keep_last, compression=compression, threads=self.threads,
                 max_inflight=max_inflight, on_busy=on_busy,
                 host_budget_bytes=host_budget_bytes,
-                debug_overlap=debug_overlap or os.environ.get("CKPTD_DEBUG_OVERLAP") == "1",
+                debug_overlap=debug_overlap or config.DEBUG_OVERLAP.get(),
                 attempt_base=agree_attempt_base(
-                    self.world_size, bool(run_id or os.environ.get("CKPTD_RUN_ID"))))
+                    self.world_size, bool(run_id or config.RUN_ID.get())))
             client = connect_for(agent, self.url, storage_options, own_storage=storage is None,
                                  threads=self.threads, incarnation=options.incarnation,
                                  rank=self.rank)

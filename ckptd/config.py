@@ -1,7 +1,13 @@
-"""Tunables in one place.
+"""Tunables and settings in one place: every ``CKPTD_*`` environment variable ckptd reads is
+read here.
 
-Every default is explained next to it. Tests override them through :func:`override`, and users
-through the matching environment variable ``CKPTD_<NAME>`` (upper case).
+* :class:`Tunables`: numbers of the save and load paths, each default explained next to it.
+  Tests override them through :func:`override`, users through ``CKPTD_<NAME>`` (upper case).
+* :class:`Setting`: the other variables (the node agent's, the run id, debugging), each with its
+  parser, default and meaning; read when asked (:meth:`Setting.get`), so a launcher's
+  environment is what counts. A value that does not parse is an error naming the variable.
+* :func:`env_fields`: the same ``<PREFIX>_<FIELD>`` convention for another dataclass's fields
+  (``CKPTD_S3_*`` for the S3 transfer settings).
 """
 
 from __future__ import annotations
@@ -10,8 +16,12 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from ckptd.errors import CkptdError
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -206,3 +216,155 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"size {text!r}: want a number with an optional unit (5GB, 2GiB, 500MB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+# ----------------------------------------------------------------------------- settings
+@dataclasses.dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One ``CKPTD_*`` variable that is not a tunable. ``trainer_only``: read by the training
+    process alone (not by the node agent: it does not name an agent's environment,
+    ``ckptd.agent.wire.environment``); ``secret``: never written anywhere."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+    trainer_only: bool = False
+    secret: bool = False
+
+    def get(self) -> T:
+        """The variable's value, parsed; the default when unset or empty; a
+        :class:`~ckptd.errors.CkptdError` naming it when it does not parse."""
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except (ValueError, TypeError) as e:
+            shown = "***" if self.secret else repr(raw)
+            raise CkptdError(f"{self.name}={shown}: {e}") from None
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name, "").strip())
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(raw: str) -> bool:
+    value = raw.lower()
+    if value not in _ON + _OFF:
+        raise ValueError("use 1 (a node agent) or 0 (save in process)")
+    return value in _ON
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in options:
+            raise ValueError(f"use one of {', '.join(options)}")
+        return raw
+    return parse
+
+
+def _parsed(kind: Callable[[str], T], what: str) -> Callable[[str], T]:
+    def parse(raw: str) -> T:
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"not {what}") from None
+    return parse
+
+
+_number = _parsed(float, "a number")
+_count = _parsed(int, "an integer")
+
+
+def _size(raw: str) -> int:
+    return parse_size(raw)
+
+
+AGENT: Setting[bool | None] = Setting(
+    "CKPTD_AGENT", _flag, None, "use the node agent (1) or save in process (0); unset: under "
+    "a launcher on Linux", trainer_only=True)
+AGENT_DIR: Setting[str | None] = Setting(
+    "CKPTD_AGENT_DIR", str, None, "the node agents' socket directory (default <tmp>/ckptd-<uid>)",
+    trainer_only=True)
+NODE_ID: Setting[str | None] = Setting(
+    "CKPTD_NODE_ID", str, None, "this node's identity (default: the host name)",
+    trainer_only=True)
+AGENT_TIMEOUT_S: Setting[float] = Setting(
+    "CKPTD_AGENT_TIMEOUT_S", _number, 5.0, "silence after which a trainer declares its agent "
+    "lost", trainer_only=True)
+AGENT_DRAIN_S: Setting[float] = Setting(
+    "CKPTD_AGENT_DRAIN_S", _number, 30.0, "how long a new Checkpointer waits for an earlier "
+    "run's saves in the agent", trainer_only=True)
+RUN_ID: Setting[str | None] = Setting(
+    "CKPTD_RUN_ID", str, None, "the job's run id, shared by every rank", trainer_only=True)
+DEBUG_OVERLAP: Setting[bool] = Setting(
+    "CKPTD_DEBUG_OVERLAP", lambda raw: raw == "1", False, "check at wait_staged() that an "
+    "overlapped save's state was not modified", trainer_only=True)
+DEBUG: Setting[bool] = Setting(
+    "CKPTD_DEBUG", lambda raw: raw not in _OFF, False, "the ckptd command prints tracebacks",
+    trainer_only=True)
+JOB_SECRET: Setting[bytes | None] = Setting(
+    "CKPTD_JOB_SECRET", str.encode, None, "the per-job secret of peer copies (none: no peer "
+    "copies)", secret=True)
+AGENT_HOST: Setting[str] = Setting(
+    "CKPTD_AGENT_HOST", str, "127.0.0.1", "the address peers reach this node's agent at")
+PEER_COPIES: Setting[int] = Setting(
+    "CKPTD_PEER_COPIES", _count, 1, "how many peers get each step's copy")
+PEER_RATE: Setting[float] = Setting(
+    "CKPTD_PEER_RATE", _number, 0.0, "bytes/s a peer copy is paced to (0: unlimited)")
+PEER_COPY: Setting[str] = Setting(
+    "CKPTD_PEER_COPY", _choice("committed", "staged"), "committed",
+    "when a step goes to the peers: once committed, or as soon as staged")
+AGENT_MEM_RESERVE: Setting[int | None] = Setting(
+    "CKPTD_AGENT_MEM_RESERVE", _size, None, "host memory a new segment must leave free "
+    "(default 5 %, at least 1 GiB)")
+AGENT_SHM_RESERVE: Setting[int | None] = Setting(
+    "CKPTD_AGENT_SHM_RESERVE", _size, None, "/dev/shm a new segment must leave free (default a "
+    "quarter, at least 512 MiB)")
+GRACE_S: Setting[float] = Setting(
+    "CKPTD_GRACE_S", _number, 30.0, "the SIGTERM grace window")
+AGENT_WRITE_BPS: Setting[float] = Setting(
+    "CKPTD_AGENT_WRITE_BPS", _number, 0.0, "the storage's write bandwidth, instead of the "
+    "agent's measurement (0: measured)")
+AGENT_WRITE_RATE: Setting[float] = Setting(
+    "CKPTD_AGENT_WRITE_RATE", _number, 0.0, "bytes/s at most for each save the agent writes "
+    "(0: no limit)")
+AGENT_NICE: Setting[int] = Setting(
+    "CKPTD_AGENT_NICE", _count, 10, "the niceness of the agent's writer threads")
+AGENT_RELEASE_S: Setting[float] = Setting(
+    "CKPTD_AGENT_RELEASE_S", _number, 60.0, "a root's steps are given back this long after its "
+    "last trainer left")
+
+SETTINGS: tuple[Setting[Any], ...] = (
+    AGENT, AGENT_DIR, NODE_ID, AGENT_TIMEOUT_S, AGENT_DRAIN_S, RUN_ID, DEBUG_OVERLAP, DEBUG,
+    JOB_SECRET, AGENT_HOST, PEER_COPIES, PEER_RATE, PEER_COPY, AGENT_MEM_RESERVE,
+    AGENT_SHM_RESERVE, GRACE_S, AGENT_WRITE_BPS, AGENT_WRITE_RATE, AGENT_NICE, AGENT_RELEASE_S)
+
+# ckptd's own test harness and benchmarks (not read by the library)
+_HARNESS = frozenset({"CKPTD_TEST_EXECUTOR", "CKPTD_BENCH_DIR", "CKPTD_CI_BUDGET_S"})
+
+
+def trainer_only_names() -> frozenset[str]:
+    """The ``CKPTD_*`` variables only a training process reads (and the harness's)."""
+    return frozenset(s.name for s in SETTINGS if s.trainer_only) | _HARNESS
+
+
+def env_fields(cls: type[T], prefix: str) -> dict[str, Any]:
+    """For each field of the dataclass ``cls`` whose ``<prefix>_<FIELD>`` (upper case) is set,
+    that value, parsed by the field's type (``float``, else ``int``); an error naming the
+    variable when it does not parse."""
+    changes: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = f"{prefix}_{field.name.upper()}"
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            changes[field.name] = float(raw) if field.type in ("float", float) else int(raw)
+        except ValueError as e:
+            kind = "a number" if field.type in ("float", float) else "an integer"
+            raise ValueError(f"{name}={raw!r}: expected {kind}") from e
+    return changes

@@ -24,7 +24,7 @@
     ├── PreemptionError (RuntimeError)        the preemption save could not be made durable
     │                                         (``ckptd.elastic.preemption``)
     └── DemoError (RuntimeError)              ``ckptd demo`` could not run
-                                              (``ckptd.elastic.cluster``)
+                                              (``ckptd.demo.cluster``)
 
 Each error outside this module lives with the part that raises it; catching ``CkptdError``
 catches all thirteen.

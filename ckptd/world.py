@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ckptd import config
 from ckptd.errors import CkptdError
 
 
@@ -77,8 +78,9 @@ def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
     launcher's environment)."""
     if run_id:
         return run_id
-    if os.environ.get("CKPTD_RUN_ID"):
-        return os.environ["CKPTD_RUN_ID"]
+    given = config.RUN_ID.get()
+    if given:
+        return given
     dist = dist_or_none()
     if dist is not None and dist.get_world_size() > 1:
         box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]

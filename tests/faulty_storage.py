@@ -22,7 +22,8 @@ class FailAfterBytes(LocalStorage):
         self.written = 0
         self._count_lock = threading.Lock()
 
-    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview],
+                   gate=None) -> int:  # type: ignore[no-untyped-def]
         def counted() -> Iterable[memoryview]:
             for part in parts:
                 view = memoryview(part).cast("B")
@@ -34,7 +35,7 @@ class FailAfterBytes(LocalStorage):
                     raise OSError(self.error, os.strerror(self.error), path)
                 yield view
 
-        return super().write_file(path, counted())
+        return super().write_file(path, counted(), gate)
 
 
 class KillAtOp(LocalStorage):
@@ -50,9 +51,10 @@ class KillAtOp(LocalStorage):
         self.ops += 1
         return self.ops == self.n
 
-    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    def write_file(self, path: str, parts: Iterable[bytes | bytearray | memoryview],
+                   gate=None) -> int:  # type: ignore[no-untyped-def]
         if not self._tick():
-            return super().write_file(path, parts)
+            return super().write_file(path, parts, gate)
 
         def half() -> Iterable[memoryview]:
             for part in parts:
@@ -60,7 +62,7 @@ class KillAtOp(LocalStorage):
                 yield view[: len(view) // 2]
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        return super().write_file(path, half())
+        return super().write_file(path, half(), gate)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         if self._tick():

@@ -97,8 +97,9 @@ def _patched_copy(tmp_path, version: str) -> str:
     site = tmp_path / "other"
     shutil.copytree(os.path.dirname(ckptd.__file__), site / "ckptd",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    init = site / "ckptd" / "__init__.py"
+    init = site / "ckptd" / "_version.py"
     text = init.read_text()
+    assert f'__version__ = "{ckptd.__version__}"' in text
     init.write_text(text.replace(f'__version__ = "{ckptd.__version__}"',
                                  f'__version__ = "{version}"'))
     return str(site)

@@ -20,8 +20,8 @@ import ckptd
 from ckptd import elastic
 from ckptd.cli import main
 from ckptd.data import GlobalOrder
+from ckptd.demo.timeline import DemoError, run_demo
 from ckptd.elastic import preemption as preemption_module
-from ckptd.elastic.demo import DemoError, run_demo
 from ckptd.elastic.events import render_phases, summarize
 from ckptd.elastic.history import MAX_LOSS_POINTS, add_loss
 

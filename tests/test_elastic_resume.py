@@ -38,10 +38,10 @@ class GatedStorage(LocalStorage):
         super().__init__(root)
         self.gate = threading.Event()
 
-    def write_file(self, path: str, parts: Iterable[Any]) -> int:
+    def write_file(self, path: str, parts: Iterable[Any], gate=None) -> int:
         if not self.gate.wait(timeout=60):
             raise TimeoutError("gate never opened")
-        return super().write_file(path, parts)
+        return super().write_file(path, parts, gate)
 
 
 @pytest.fixture(autouse=True)
@@ -277,11 +277,11 @@ class SignallingStorage(LocalStorage):
 
     armed = False
 
-    def write_file(self, path: str, parts: Iterable[Any]) -> int:
+    def write_file(self, path: str, parts: Iterable[Any], gate=None) -> int:
         if self.armed:
             self.armed = False
             os.kill(os.getpid(), signal.SIGTERM)
-        return super().write_file(path, parts)
+        return super().write_file(path, parts, gate)
 
 
 def test_a_sigterm_that_arrives_during_the_preemption_save_makes_the_rank_exit_0(

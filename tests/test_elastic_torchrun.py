@@ -26,7 +26,7 @@ import ckptd
 from ckptd.cli import main
 from ckptd.cli.elastic import read_meta
 from ckptd.data import GlobalOrder
-from ckptd.elastic.cluster import Cluster, _descendants, step_reached
+from ckptd.demo.cluster import Cluster, _descendants, step_reached
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "integrations" / "torchrun" / "train.py"

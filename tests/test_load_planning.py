@@ -325,7 +325,8 @@ def _read_once_worker(rank: int, world: int, root: str, bad_root: str) -> dict[s
         out["broadcast"] = stats.broadcast_bytes
     dst = {"shared": torch.full((4096,), -1.0),
            "own": ckptd.Shard(torch.full((100,), -1.0), (300,), (100 * rank,))}
-    with ckptd.Checkpointer(bad_root, read_only=True) as ck:  # rank 2's slice is corrupt: nobody copies
+    # rank 2's slice is corrupt: nobody copies
+    with ckptd.Checkpointer(bad_root, read_only=True) as ck:
         try:
             ck.load(dst)
             out["error"] = None
@@ -427,7 +428,8 @@ def test_the_copy_pass_reads_frames_into_the_destination_bit_exact(
         w = torch.zeros(7, hi - lo).t() if transposed else torch.zeros(hi - lo, 7)
         dst = {"w": ckptd.Shard(w, (50, 7), (lo, 0)), "h": torch.zeros(31).half(),
                "b": torch.zeros(9, dtype=torch.bool), "s": torch.tensor(0.0, dtype=torch.float64)}
-        with config.override(local_hold_bytes=0), ckptd.Checkpointer(str(tmp_path), read_only=True) as ck:
+        with config.override(local_hold_bytes=0), \
+                ckptd.Checkpointer(str(tmp_path), read_only=True) as ck:
             ck.load(dst)
         stats = last_stats()
         assert stats is not None and stats.passes == 2 and stats.reread.frames > 0

@@ -90,3 +90,17 @@ def test_a_lazy_name_is_never_hidden_by_its_submodule_of_the_same_name():
     code = ("from ckptd.manifest import find_hole; from ckptd.manifest import merge; "
             "assert callable(merge), merge")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_ckptd_setting_is_read_in_config_py_alone():
+    """One place for settings: no module but ``ckptd/config.py`` reads a ``CKPTD_*`` variable
+    by name (a tunable, ``config.Setting``, or ``config.env_fields``)."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(ckptd.__file__).parent
+    read = re.compile(r"""environ(?:\.get)?\s*[\[(]\s*f?["']CKPTD_|getenv\(\s*f?["']CKPTD_""")
+    found = [f"{p.relative_to(package)}:{i}" for p in package.rglob("*.py")
+             if p.name != "config.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if read.search(line)]
+    assert found == []

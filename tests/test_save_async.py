@@ -144,10 +144,10 @@ class _HeldWrites(LocalStorage):
         super().__init__(root)
         self.release = threading.Event()
 
-    def write_file(self, path, parts):  # type: ignore[no-untyped-def]
+    def write_file(self, path, parts, gate=None):  # type: ignore[no-untyped-def]
         if path.startswith("step-000000001/data/"):
             self.release.wait()
-        return super().write_file(path, parts)
+        return super().write_file(path, parts, gate)
 
 
 def test_overlap_stages_in_the_background_until_wait_staged(tmp_path):
@@ -215,9 +215,9 @@ def test_save_result_and_metrics_line(tmp_path):
 class _SlowStorage(LocalStorage):
     """A storage link of ~20 MB/s (an object store's single stream), not a local disk."""
 
-    def write_file(self, path, parts):
+    def write_file(self, path, parts, gate=None):
         parts = [memoryview(p).cast("B") for p in parts]
-        n = super().write_file(path, parts)
+        n = super().write_file(path, parts, gate)
         time.sleep(n / 20e6)  # the link's transfer time: the bandwidth being simulated
         return n
 

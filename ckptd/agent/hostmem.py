@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ckptd.config import parse_size
+from ckptd import config
 
 GiB = 1 << 30
 
@@ -104,11 +104,8 @@ def left(meminfo: str = "/proc/meminfo",
 def reserve(total: int) -> int:
     """Bytes of host memory the agent leaves free: ``$CKPTD_AGENT_MEM_RESERVE`` (a size, 0:
     none), else 5 % of ``total``, at least 1 GiB."""
-    value = os.environ.get("CKPTD_AGENT_MEM_RESERVE", "").strip()
-    try:
-        return parse_size(value) if value else max(GiB, total // 20)
-    except ValueError as e:
-        raise ValueError(f"CKPTD_AGENT_MEM_RESERVE={value!r}: {e}") from None
+    given = config.AGENT_MEM_RESERVE.get()
+    return given if given is not None else max(GiB, total // 20)
 
 
 def shm_reserve(size: int) -> int:
@@ -118,11 +115,8 @@ def shm_reserve(size: int) -> int:
     least 512 MiB (8 workers × a prefetch of 2 × 32 MiB batches), at most all of it. A
     container's default 64 MiB is then all reserve: the agent holds nothing there, and its
     trainers save in process."""
-    value = os.environ.get("CKPTD_AGENT_SHM_RESERVE", "").strip()
-    try:
-        return parse_size(value) if value else min(size, max(size // 4, 512 << 20))
-    except ValueError as e:
-        raise ValueError(f"CKPTD_AGENT_SHM_RESERVE={value!r}: {e}") from None
+    given = config.AGENT_SHM_RESERVE.get()
+    return given if given is not None else min(size, max(size // 4, 512 << 20))
 
 
 __all__ = ["left", "reserve", "shm_reserve"]

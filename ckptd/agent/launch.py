@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from ckptd import config
 from ckptd.agent import wire
 from ckptd.agent.client import AgentClient
 from ckptd.errors import CkptdError
@@ -22,18 +23,12 @@ def timeout_s() -> float:
     """``$CKPTD_AGENT_TIMEOUT_S`` (default 5): the silence after which a trainer declares its
     agent lost (and kills it). Below a few heartbeats a busy agent would be killed under the
     other jobs it serves: refused."""
-    raw = os.environ.get("CKPTD_AGENT_TIMEOUT_S", "5")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
+    value = config.AGENT_TIMEOUT_S.get()
     if not value >= MIN_TIMEOUT_S:  # (nan too)
-        raise CkptdError(f"CKPTD_AGENT_TIMEOUT_S={raw!r}: at least {MIN_TIMEOUT_S:g} s (the "
-                         f"agent's heartbeat comes every {wire.HEARTBEAT_S:g} s)")
+        raw = os.environ.get(config.AGENT_TIMEOUT_S.name, "").strip()
+        raise CkptdError(f"{config.AGENT_TIMEOUT_S.name}={raw!r}: at least {MIN_TIMEOUT_S:g} s "
+                         f"(the agent's heartbeat comes every {wire.HEARTBEAT_S:g} s)")
     return value
-
-
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def agent_wanted(wanted: bool | None, root: str, *, own_storage: bool) -> bool:
@@ -57,12 +52,10 @@ def _default_on() -> bool:
     whose trainers can die under it, where a save outliving its process pays for a process per
     node. A script or a notebook run by hand saves in process (``docs/agent.md``, *When it is
     on*)."""
-    value = os.environ.get("CKPTD_AGENT", "").strip().lower()
-    if not value:
+    value = config.AGENT.get()
+    if value is None:
         return sys.platform.startswith("linux") and any(os.environ.get(v) for v in LAUNCHERS)
-    if value not in _ON + _OFF:
-        raise CkptdError(f"CKPTD_AGENT={value!r}: use 1 (a node agent) or 0 (save in process)")
-    return value in _ON
+    return value
 
 
 def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] | None, *,
@@ -76,7 +69,7 @@ def connect_for(wanted: bool | None, root: str, storage_options: dict[str, Any] 
     if not agent_wanted(wanted, root, own_storage=own_storage):
         return None
     silence = timeout_s()  # a bad setting is the caller's error, not a reason to save in process
-    drain_s = float(os.environ.get("CKPTD_AGENT_DRAIN_S", "30"))
+    drain_s = config.AGENT_DRAIN_S.get()
     try:
         client = AgentClient.connect({"url": root, "options": storage_options}, threads=threads,
                                      timeout_s=silence, trainer=(incarnation, rank))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -29,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from ckptd import config
 from ckptd.agent import wire
 
 log = logging.getLogger("ckptd.agent")
@@ -41,8 +41,7 @@ MAX_UNPROVEN = 64
 
 
 def job_secret() -> bytes | None:
-    s = os.environ.get("CKPTD_JOB_SECRET")
-    return s.encode() if s else None
+    return config.JOB_SECRET.get()
 
 
 def recv_into(sock: socket.socket, into: memoryview) -> None:

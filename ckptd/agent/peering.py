@@ -7,12 +7,13 @@ copies*."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckptd import config
 from ckptd.agent import handoff, jobs
+from ckptd.agent.core import AgentCore
 from ckptd.agent.memory import Kept, OverBudget
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peer_link import NoAnswer, PeerServer, ask, job_secret
@@ -30,7 +31,6 @@ from ckptd.errors import CkptdError
 if TYPE_CHECKING:
     import torch
 
-    from ckptd.agent.server import Agent
 
 log = logging.getLogger("ckptd.agent")
 
@@ -39,7 +39,7 @@ class Peering:
     """Everything of one agent that talks to other agents; inert without ``CKPTD_JOB_SECRET``
     (no server, no replicator)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentCore) -> None:
         self.agent = agent
         self.server: PeerServer | None = None
         self.replicator: Replicator | None = None
@@ -51,13 +51,13 @@ class Peering:
         if secret is None:
             log.info("ckptd agent: no CKPTD_JOB_SECRET: no peer copies")
             return
-        self.server = PeerServer(secret, os.environ.get("CKPTD_AGENT_HOST", "127.0.0.1"),
+        self.server = PeerServer(secret, config.AGENT_HOST.get(),
                                 self._peer_accept, self._peer_lookup, self._take_over,
                                 self.agent.shares.answer, self._peer_notice, self._write_held)
         self.copy_staged = copy_when() == "staged"
-        rate = float(os.environ.get("CKPTD_PEER_RATE", "0")) or None
+        rate = config.PEER_RATE.get() or None
         self.replicator = Replicator(self.agent.node, secret, self.server.address,
-                                     int(os.environ.get("CKPTD_PEER_COPIES", "1")), rate,
+                                     config.PEER_COPIES.get(), rate,
                                      self.agent.stopping)
         log.info("ckptd agent: peer copies on, listening at %s:%d", *self.server.address)
 

@@ -36,8 +36,10 @@ from typing import Any
 
 import xxhash
 
+from ckptd import config
 from ckptd.agent import wire
 from ckptd.agent.peer_link import NoAnswer, answer_challenge, answer_to, ask
+from ckptd.errors import CkptdError
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
@@ -56,12 +58,11 @@ def said_nothing(rank: int, step: int, e: NoAnswer) -> None:
 
 def copy_when() -> str:
     """``$CKPTD_PEER_COPY``: ``committed`` (the default) or ``staged``."""
-    when = os.environ.get("CKPTD_PEER_COPY", "committed")
-    if when not in ("committed", "staged"):
-        log.warning("ckptd agent: CKPTD_PEER_COPY=%s is neither 'committed' nor 'staged': "
-                    "copies are sent once committed", when)
+    try:
+        return config.PEER_COPY.get()
+    except CkptdError as e:
+        log.warning("ckptd agent: %s: copies are sent once committed", e)
         return "committed"
-    return when
 
 
 @dataclass(eq=False)

@@ -34,12 +34,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ckptd import config
 from ckptd.agent import orphans, wire
+from ckptd.agent.core import Flight
 from ckptd.agent.gate import Gate
 from ckptd.agent.memory import Memory
 from ckptd.agent.orphans import JobKey
 from ckptd.agent.peering import Peering
-from ckptd.agent.session import Flight, Session
+from ckptd.agent.session import Session
 from ckptd.agent.shm import remove_stale, unlink
 from ckptd.agent.upkeep import Upkeep, release_after_s
 from ckptd.errors import CkptdError
@@ -52,7 +54,7 @@ log = logging.getLogger("ckptd.agent")
 
 def grace_s() -> float:
     """``$CKPTD_GRACE_S`` (default 30): the SIGTERM grace window."""
-    return float(os.environ.get("CKPTD_GRACE_S", "30"))
+    return config.GRACE_S.get()
 
 
 class Agent:
@@ -83,10 +85,10 @@ class Agent:
         self._write_bps = 0.0  # measured: the newest job's files over their write time
         # or, instead, what the launcher knows of its storage's bandwidth (a write to the page
         # cache measures the cache, not the disk; the first save has nothing measured)
-        self._assumed_bps = float(os.environ.get("CKPTD_AGENT_WRITE_BPS", "0"))
+        self._assumed_bps = config.AGENT_WRITE_BPS.get()
         # at most this many bytes/s, each save (the storage's bandwidth kept for training's own
         # traffic: its data loading, say); 0: no limit
-        self.write_rate = float(os.environ.get("CKPTD_AGENT_WRITE_RATE", "0"))
+        self.write_rate = config.AGENT_WRITE_RATE.get()
         self._flights: set[Flight] = set()  # the saves being written here, for a stop
         self._warned: set[str] = set()  # warnings given once: a root (grace), an owner error
         self._said = wire.RateLog(log)  # warnings a flood could repeat

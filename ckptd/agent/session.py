@@ -9,12 +9,11 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
 from ckptd.agent import jobs, wire
-from ckptd.agent.gate import Gate
+from ckptd.agent.core import AgentCore, Flight
 from ckptd.agent.memory import Kept
 from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
@@ -25,14 +24,13 @@ from ckptd.writer.signals import Signals
 
 if TYPE_CHECKING:
     from ckptd.agent.peers import Outgoing
-    from ckptd.agent.server import Agent
 
 log = logging.getLogger("ckptd.agent")
 
 
 def nice() -> int:
     """``$CKPTD_AGENT_NICE`` (default 10): how far the agent's writing yields to training."""
-    return max(0, int(os.environ.get("CKPTD_AGENT_NICE", "10")))
+    return max(0, config.AGENT_NICE.get())
 
 
 def background() -> None:
@@ -49,24 +47,10 @@ def background() -> None:
             log.info("ckptd agent: writer threads keep their priority (%s)", e)
 
 
-@dataclass(eq=False)
-class Flight:
-    """One save being written by this agent."""
-
-    nbytes: int
-    gate: Gate
-    copy: Outgoing | None  # its staged copy, sent to the peers while it is written
-
-    @property
-    def left(self) -> int:
-        """Its bytes not written, nor being written."""
-        return self.nbytes - self.gate.started
-
-
 class Session:
     """One client (a Checkpointer of one rank): its segments, its jobs in order."""
 
-    def __init__(self, agent: Agent, conn: socket.socket, pid: int) -> None:
+    def __init__(self, agent: AgentCore, conn: socket.socket, pid: int) -> None:
         self.agent, self.conn, self.pid = agent, conn, pid
         self.segments: dict[int, Segment] = {}
         self._send_lock = threading.Lock()
@@ -358,4 +342,4 @@ class Session:
                 self.agent.memory.forget(seg)
 
 
-__all__ = ["Flight", "Session"]
+__all__ = ["Session"]

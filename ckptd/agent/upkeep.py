@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd import config
 from ckptd.agent.memory import Memory
 
 log = logging.getLogger("ckptd.agent")
@@ -28,7 +29,7 @@ CHECK_EVERY_S = 1.0
 
 def release_after_s() -> float:
     """``$CKPTD_AGENT_RELEASE_S`` (default 60): how long an unused root's steps stay."""
-    return float(os.environ.get("CKPTD_AGENT_RELEASE_S", "60"))
+    return config.AGENT_RELEASE_S.get()
 
 
 def _local_dir(root: str) -> str | None:

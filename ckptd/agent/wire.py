@@ -36,6 +36,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ckptd import config
 from ckptd.errors import CkptdError
 
 HEARTBEAT_S = 0.5
@@ -62,22 +63,18 @@ def check_root(url: Any) -> None:
 # What a save depends on besides its job: the storage's credentials and configuration (boto,
 # s3fs, fsspec, Google and Azure clients, ~/.aws under HOME), the network's proxies and
 # certificates, and ckptd's own settings — but for those only a trainer reads, or that name the
-# agent already (its node and directory).
+# agent already (its node and directory): ``config.trainer_only_names()``.
 _ENV_PREFIXES = ("AWS_", "BOTO", "S3FS_", "FSSPEC_", "GOOGLE_", "GCSFS_", "CLOUDSDK_", "AZURE_",
                  "ADLFS_", "CKPTD_")
 _ENV_NAMES = frozenset({"HOME", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
                         "http_proxy", "https_proxy", "no_proxy", "all_proxy", "SSL_CERT_FILE",
                         "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"})
-_TRAINER_ONLY = frozenset({"CKPTD_AGENT", "CKPTD_AGENT_DIR", "CKPTD_NODE_ID",
-                           "CKPTD_AGENT_TIMEOUT_S", "CKPTD_AGENT_DRAIN_S", "CKPTD_RUN_ID",
-                           "CKPTD_DEBUG_OVERLAP"})
-
-
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """The variables of ``env`` (default: this process's) that an agent's saves depend on."""
     source: Mapping[str, str] = os.environ if env is None else env
+    skip = config.trainer_only_names()
     return {k: v for k, v in sorted(source.items())
-            if (k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)) and k not in _TRAINER_ONLY}
+            if (k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)) and k not in skip}
 
 
 def env_key(env: dict[str, str] | None = None) -> str:
@@ -92,9 +89,9 @@ def identity() -> dict[str, str]:
     """This ckptd's package version and a digest of its code (every module of the package): an
     agent runs the code it was started with, so a trainer of another install, or of a patched
     copy, must not hand it its saves."""
-    import ckptd
+    from ckptd._version import __version__
 
-    package = os.path.dirname(os.path.abspath(ckptd.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ckptd/
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(package):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -103,7 +100,7 @@ def identity() -> dict[str, str]:
             digest.update(os.path.relpath(path, package).encode() + b"\0")
             with open(path, "rb") as f:
                 digest.update(f.read() + b"\0")
-    return {"version": ckptd.__version__, "code": digest.hexdigest()[:16]}
+    return {"version": __version__, "code": digest.hexdigest()[:16]}
 
 
 class RateLog:
@@ -179,13 +176,13 @@ def error_of(reply: dict[str, Any]) -> CkptdError | OSError:
 
 
 def node_id() -> str:
-    raw = os.environ.get("CKPTD_NODE_ID") or socket.gethostname()
+    raw = config.NODE_ID.get() or socket.gethostname()
     return re.sub(r"[^A-Za-z0-9._-]", "_", raw)[:64] or "node"
 
 
 def default_dir() -> str:
     """``$CKPTD_AGENT_DIR``, else ``<tmp>/ckptd-<uid>``."""
-    return os.environ.get("CKPTD_AGENT_DIR") or os.path.join(tempfile.gettempdir(),
+    return config.AGENT_DIR.get() or os.path.join(tempfile.gettempdir(),
                                                              f"ckptd-{os.getuid()}")
 
 

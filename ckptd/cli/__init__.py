@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ckptd import __version__
+from ckptd import __version__, config
 from ckptd.cli import agent, elastic, interop, reshard, steps
 from ckptd.cli.common import STORAGE_OPTIONS_HELP, Command, storage_options_arg
 from ckptd.errors import CkptdError
@@ -61,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ckptd {args.command}: interrupted", file=sys.stderr)
         return 130
     except (CkptdError, OSError, ValueError) as e:
-        if os.environ.get("CKPTD_DEBUG"):
+        if config.DEBUG.get():
             raise
         print(f"ckptd {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a bug: still one line, and how to see more
-        if os.environ.get("CKPTD_DEBUG"):
+        if config.DEBUG.get():
             raise
         print(f"ckptd {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
               "(set CKPTD_DEBUG=1 for the traceback)", file=sys.stderr)

@@ -260,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from ckptd.elastic.demo import run_demo
+    from ckptd.demo.timeline import run_demo
     from ckptd.elastic.events import render_phases
     from ckptd.elastic.plot import plot_history
 

@@ -53,7 +53,6 @@ from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
 from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
-from ckptd.storage.base import extended
 from ckptd.writer import commit
 from ckptd.writer.pipeline import RankWriter, Share, plan_rounds, runs_within
 from ckptd.writer.staging import StagingPool
@@ -244,7 +243,7 @@ class Resharder:
                           block_bytes=config.get().min_frame_bytes)
         # nothing is visible before the commit: the files of every target rank are made durable
         # together, before it (one filesystem sync, not two fsyncs per rank)
-        with extended(dest).deferred_durability(), files, \
+        with dest.deferred_durability(), files, \
                 ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-reshard-io") as io, \
                 ThreadPoolExecutor(self.workers, thread_name_prefix="ckptd-reshard") as workers:
             local = threading.local()

@@ -30,7 +30,7 @@ from ckptd.hostarray import HostArray, no_grad
 from ckptd.manifest import codecs
 from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
-from ckptd.storage.base import BlockCache, ReadSession, extended
+from ckptd.storage.base import BlockCache, ReadSession
 
 if TYPE_CHECKING:
     import torch
@@ -209,7 +209,7 @@ class StepFiles:
         self.url = storage.url
         self.step_dir = step_dir
         try:
-            self.session: ReadSession = extended(storage).open_read(
+            self.session: ReadSession = storage.open_read(
                 [self.path(f) for f in sorted(files)])
         except FileNotFoundError as e:
             raise CorruptCheckpoint(f"{e.filename or self.where('')}: data file missing") from e

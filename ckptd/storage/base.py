@@ -1,9 +1,10 @@
-"""The storage contract: the smallest interface the checkpoint protocol needs.
+"""The storage contract: the smallest interface the checkpoint protocol needs, as one abstract
+class, :class:`Storage`.
 
 Paths are ``str`` relative to the backend's root, with ``/`` separators (a ``pathlib.Path`` would
 collapse the ``//`` of ``s3://``). A save calls, in this order::
 
-    write_file(data/<attempt>/<file>)     # every data file; durable when it returns
+    write_file(data/<attempt>/<file>, parts, gate)   # every data file; durable when it returns
     put_atomic(<step>/ranks/<attempt>/<rank>.json)   # the rank's partial manifest
     put_atomic(<step>/manifest.json)      # the commit: all-or-nothing visible
     put_atomic(latest)                    # advisory pointer
@@ -11,13 +12,15 @@ collapse the ``//`` of ``s3://``). A save calls, in this order::
 ``write_file`` need not be atomic: data file names are unique per save attempt and nothing reads
 them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
 none (temp file + rename + directory fsync on a filesystem; a single PUT on an object store).
+``write_file``'s ``gate`` (a writer's pace and stop: the node agent's) is called before each
+block the backend writes (``gate(nbytes)``); what it raises leaves the file unfinished.
 
-Beyond the eight methods of :class:`Storage`, :class:`StorageBase` declares five with a
-default that a backend overrides where it can do better: ``open_read`` (a :class:`ReadSession`
-for one load), ``append_text``, ``poll_interval_s`` (the pauses of the commit protocol's
-polling), ``incomplete_uploads`` and ``abort_incomplete_uploads`` (invisible leftovers such as
-S3 multipart uploads, for ``ckptd gc``). Every built-in backend is a :class:`StorageBase`; an
-object that has only the eight methods is given the defaults by :func:`extended`.
+Eight methods are abstract; five have a default that a backend overrides where it can do
+better: ``open_read`` (a :class:`ReadSession` for one load), ``append_text``,
+``poll_interval_s`` (the pauses of the commit protocol's polling), ``incomplete_uploads`` and
+``abort_incomplete_uploads`` (invisible leftovers such as S3 multipart uploads, for
+``ckptd gc``). A user's own object with only the eight methods (``Checkpointer(storage=...)``)
+is given the defaults, and the gate, by :func:`as_storage`.
 """
 
 from __future__ import annotations
@@ -28,35 +31,13 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from ckptd import config
 
 Buffer = bytes | bytearray | memoryview
 
-# The writer's gate for this thread's data-file write (:func:`gated`), if any.
-_gate = threading.local()
-
-
-@contextlib.contextmanager
-def gated(gate: Callable[[int], None] | None) -> Iterator[None]:
-    """Within: each :func:`passing` of this thread calls ``gate(nbytes)`` — how a writer (the
-    node agent's, ``ckptd.writer.remote.Gate``) paces a data file's blocks and stops between
-    two of them (what ``gate`` raises leaves ``write_file`` unfinished)."""
-    old = getattr(_gate, "gate", None)
-    _gate.gate = gate
-    try:
-        yield
-    finally:
-        _gate.gate = old
-
-
-def passing(nbytes: int) -> None:
-    """A backend's ``write_file`` calls this before it writes each block (``nbytes``) of a data
-    file: the writer's gate, if one is set for this thread (:func:`gated`)."""
-    gate = getattr(_gate, "gate", None)
-    if gate is not None:
-        gate(nbytes)
+Gate = Callable[[int], None]  # before each block of a data file: a writer's pace and stop
 
 
 # A data file's bytes per write call on a filesystem or through fsspec, and per pass of the
@@ -64,52 +45,16 @@ def passing(nbytes: int) -> None:
 WRITE_BLOCK = 64 << 20
 
 
-def blocks(parts: Iterable[Buffer], size: int = WRITE_BLOCK) -> Iterator[memoryview]:
-    """``parts`` as bytes views of at most ``size``, each announced by :func:`passing`."""
+def blocks(parts: Iterable[Buffer], size: int = WRITE_BLOCK,
+           gate: Gate | None = None) -> Iterator[memoryview]:
+    """``parts`` as bytes views of at most ``size``, each passed through ``gate`` first."""
     for part in parts:
         view = memoryview(part).cast("B")
         for i in range(0, len(view), size):
             block = view[i : i + size]
-            passing(len(block))
+            if gate is not None:
+                gate(len(block))
             yield block
-
-
-@runtime_checkable
-class Storage(Protocol):
-    """A checkpoint root. Implementations must be safe to call from several threads."""
-
-    url: str
-
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
-        """Write the concatenation of ``parts`` to ``path``, durably; returns bytes written."""
-        ...
-
-    def put_atomic(self, path: str, data: bytes) -> None:
-        """Write a small object so that readers see all of it or nothing."""
-        ...
-
-    def read_bytes(self, path: str) -> bytes:
-        """The whole object (small objects: manifests, pointers). FileNotFoundError if absent."""
-        ...
-
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]:
-        """``(offset, length)`` byte ranges of one object, in order. A range past the end raises
-        EOFError; a missing object FileNotFoundError."""
-        ...
-
-    def size(self, path: str) -> int:
-        """Object size in bytes. FileNotFoundError if absent."""
-        ...
-
-    def exists(self, path: str) -> bool: ...
-
-    def list_dir(self, path: str) -> list[str]:
-        """Names (not paths) of the direct children of ``path``; empty if it does not exist."""
-        ...
-
-    def remove(self, path: str) -> None:
-        """Remove an object or a whole prefix/directory; absent is not an error."""
-        ...
 
 
 class ReadSession(Protocol):
@@ -247,34 +192,44 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 
 
-class StorageBase(ABC):
-    """A :class:`Storage` with the optional methods declared, each with its default."""
+class Storage(ABC):
+    """A checkpoint root (the module docstring). Implementations must be safe to call from
+    several threads."""
 
     url: str
 
     @abstractmethod
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int: ...
+    def write_file(self, path: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
+        """Write the concatenation of ``parts`` to ``path``, durably; returns bytes written.
+        ``gate(nbytes)`` before each block it writes (what it raises: the file unfinished)."""
 
     @abstractmethod
-    def put_atomic(self, path: str, data: bytes) -> None: ...
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write a small object so that readers see all of it or nothing."""
 
     @abstractmethod
-    def read_bytes(self, path: str) -> bytes: ...
+    def read_bytes(self, path: str) -> bytes:
+        """The whole object (small objects: manifests, pointers). FileNotFoundError if absent."""
 
     @abstractmethod
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]: ...
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]:
+        """``(offset, length)`` byte ranges of one object, in order. A range past the end raises
+        EOFError; a missing object FileNotFoundError."""
 
     @abstractmethod
-    def size(self, path: str) -> int: ...
+    def size(self, path: str) -> int:
+        """Object size in bytes. FileNotFoundError if absent."""
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 
     @abstractmethod
-    def list_dir(self, path: str) -> list[str]: ...
+    def list_dir(self, path: str) -> list[str]:
+        """Names (not paths) of the direct children of ``path``; empty if it does not exist."""
 
     @abstractmethod
-    def remove(self, path: str) -> None: ...
+    def remove(self, path: str) -> None:
+        """Remove an object or a whole prefix/directory; absent is not an error."""
 
     def open_read(self, paths: Sequence[str]) -> ReadSession:
         """The data files of one load; by default, sizes and ranged reads."""
@@ -312,46 +267,64 @@ class StorageBase(ABC):
         return 0
 
 
-class Delegating(StorageBase):
-    """Every method of another storage (an object with only the eight :class:`Storage`
-    methods is given the defaults); subclasses override what they change."""
+class Delegating(Storage):
+    """Every method of another object with the eight abstract methods (any
+    :class:`Storage`, or a user's own object that only has them: it is given the defaults, and
+    its data files are passed through the gate block by block as it consumes them);
+    subclasses override what they change."""
 
-    def __init__(self, inner: Storage) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner, self.url = inner, inner.url
+        self._native = isinstance(inner, Storage)
 
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
-        return self.inner.write_file(path, parts)
+    def write_file(self, path: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
+        if self._native:
+            return int(self.inner.write_file(path, parts, gate))
+        return int(self.inner.write_file(path, parts if gate is None else blocks(parts,
+                                                                                  gate=gate)))
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self.inner.put_atomic(path, data)
 
     def read_bytes(self, path: str) -> bytes:
-        return self.inner.read_bytes(path)
+        return bytes(self.inner.read_bytes(path))
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> Sequence[Buffer]:
-        return self.inner.read_ranges(path, ranges)
+        return self.inner.read_ranges(path, ranges)  # type: ignore[no-any-return]
 
     def size(self, path: str) -> int:
-        return self.inner.size(path)
+        return int(self.inner.size(path))
 
     def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
+        return bool(self.inner.exists(path))
 
     def list_dir(self, path: str) -> list[str]:
-        return self.inner.list_dir(path)
+        return list(self.inner.list_dir(path))
 
     def remove(self, path: str) -> None:
         self.inner.remove(path)
 
 
-def extended(storage: Storage) -> StorageBase:
-    """``storage`` with every optional method: itself for a :class:`StorageBase`."""
-    return storage if isinstance(storage, StorageBase) else Delegating(storage)
+_EIGHT = ("write_file", "put_atomic", "read_bytes", "read_ranges", "size", "exists",
+          "list_dir", "remove")
+
+
+def as_storage(obj: Any) -> Storage:
+    """``obj`` as a :class:`Storage`: itself if it is one, else (a user's own object with the
+    eight methods and a ``url``) wrapped so that it has every default and honours a gate.
+    TypeError naming what it lacks otherwise."""
+    if isinstance(obj, Storage):
+        return obj
+    missing = [m for m in ("url", *_EIGHT) if not hasattr(obj, m)]
+    if missing:
+        raise TypeError(f"{type(obj).__name__} is not a storage: it has no {', '.join(missing)} "
+                        "(ckptd.storage.Storage's methods)")
+    return Delegating(obj)
 
 
 def poll_interval(storage: Storage) -> tuple[float, float]:
     """``(first, longest)`` pause between two polls of ``storage`` (its ``poll_interval_s``):
     always positive, first <= longest."""
-    first, longest = (float(x) for x in extended(storage).poll_interval_s)
+    first, longest = (float(x) for x in storage.poll_interval_s)
     first = max(first, 1e-4)
     return first, max(first, longest)

@@ -18,13 +18,13 @@ import fsspec
 
 from ckptd import config
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, StorageBase, blocks, check_ranges, relative
+from ckptd.storage.base import Buffer, Gate, Storage, blocks, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 
 __all__ = ["FsspecStorage"]
 
 
-class FsspecStorage(StorageBase):
+class FsspecStorage(Storage):
     """A checkpoint root at an fsspec URL (not S3). Thread-safe. ``storage_options`` go to
     the fsspec filesystem."""
 
@@ -55,13 +55,13 @@ class FsspecStorage(StorageBase):
 
     # -- the Storage protocol --------------------------------------------------------------
 
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+    def write_file(self, path: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
         full = self._path(path)
         total = 0
         try:
             self._makedirs(posixpath.dirname(full))
             with self._fs.open(full, "wb") as f:
-                for block in blocks(parts):
+                for block in blocks(parts, gate=gate):
                     total += len(block)
                     f.write(block)
         except OSError as e:

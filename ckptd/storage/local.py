@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, StorageBase, blocks
+from ckptd.storage.base import Buffer, Gate, Storage, blocks
 from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")
@@ -47,7 +47,7 @@ def _sync_filesystem(root: str) -> None:
         os.close(fd)
 
 
-class LocalStorage(StorageBase):
+class LocalStorage(Storage):
     """A directory on a POSIX filesystem (local disk, NFS, Lustre...).
 
     **Links inside the root are never followed.** Every path is opened one component at a
@@ -169,33 +169,34 @@ class LocalStorage(StorageBase):
             raise FileNotFoundError(errno.ENOENT, "no such file", self._abs(path)) from e
 
     # -- writes --------------------------------------------------------------------------------
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
+    def write_file(self, path: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
         full = self._abs(path)
         try:
             if _DIRECT_OK and self.direct and isinstance(parts, (list, tuple)):
                 views = [memoryview(p).cast("B") for p in parts]
                 if _direct_eligible(views):
-                    written = self._write_direct(path, views)
+                    written = self._write_direct(path, views, gate)
                     if written is not None:
                         return written
-            return self._write_buffered(path, parts)
+            return self._write_buffered(path, parts, gate)
         except StorageError:
             raise
         except OSError as e:
             raise storage_error(e, full) from e
 
-    def _write_buffered(self, path: str, parts: Iterable[Buffer]) -> int:
+    def _write_buffered(self, path: str, parts: Iterable[Buffer], gate: Gate | None) -> int:
         total = 0
         fd = self._open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
         try:
-            for block in blocks(parts):
+            for block in blocks(parts, gate=gate):
                 total += self._write_all(fd, block)
             self._fsync(fd)
         finally:
             os.close(fd)
         return total
 
-    def _write_direct(self, path: str, parts: list[memoryview]) -> int | None:
+    def _write_direct(self, path: str, parts: list[memoryview],
+                      gate: Gate | None) -> int | None:
         """Write bypassing the page cache: faster on a loaded host (``benchmarks/save.py``
         floors) and it leaves the training's memory bandwidth and cache alone. None if the
         filesystem or buffer refuses (EINVAL): the caller falls back to buffered I/O."""
@@ -209,7 +210,7 @@ class LocalStorage(StorageBase):
             raise
         total = 0
         try:
-            for block in blocks(parts):
+            for block in blocks(parts, gate=gate):
                 total += self._write_all(fd, block)
             self._fsync(fd)
         except OSError as e:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ckptd.storage.base import Buffer, Delegating, ReadSession, Storage, extended
+from ckptd.storage.base import Buffer, Delegating, ReadSession, Storage
 
 log = logging.getLogger("ckptd")
 
@@ -43,7 +43,7 @@ class MemoryTier(Delegating):
         unchanged for as long as this object is used (the agent pins them for the load);
         ``copies``: which of them are peer copies; ``remote``: files other agents hold."""
         super().__init__(base)
-        self.base = extended(base)
+        self.base = base
         self.files = dict(files)
         self.copies = frozenset(copies)
         self.remote = {p: r for p, r in (remote or {}).items() if p not in self.files}

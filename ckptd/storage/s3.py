@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ckptd.errors import StorageError
 from ckptd.storage import s3_read
 from ckptd.storage import s3_retry as retry
-from ckptd.storage.base import Buffer, passing
+from ckptd.storage.base import Buffer, Gate
 from ckptd.storage.s3_read import all_or_cancel
 from ckptd.storage.s3_write import (
     MAX_PARTS,
@@ -113,7 +113,10 @@ class S3Objects:
 
         self._run(self._retrying(request, key, "PUT"))
 
-    def write_file(self, key: str, parts: Iterable[Buffer]) -> int:
+    def write_file(self, key: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
+        """One object from ``parts``: a single PUT when small, else a multipart upload whose
+        parts are sent in parallel; ``gate(nbytes)`` before each part (the file unfinished, the
+        upload aborted, if it raises)."""
         chunks = Chunker(parts)
         first = part_size(1, self.transfer.part_bytes)
         if chunks.known_size is not None and chunks.known_size <= (
@@ -124,7 +127,8 @@ class S3Objects:
         inflight: list[concurrent.futures.Future[dict[str, Any]]] = []
         # Budget is taken before a body is filled and given back when its request ends, so all
         # threads together hold at most `concurrency` x `part_bytes` of bodies.
-        passing(first)  # the writer's gate, before each part (base.gated)
+        if gate is not None:  # the writer's pace and stop, before each part
+            gate(first)
         self._bodies.acquire(first)
         held = first
         try:
@@ -150,7 +154,8 @@ class S3Objects:
                 size = part_size(number, self.transfer.part_bytes)
                 if chunks.at_end():
                     break
-                passing(size)
+                if gate is not None:
+                    gate(size)
                 self._bodies.acquire(size)
                 held = size
                 body = chunks.take(size)

@@ -23,18 +23,29 @@ the bytes returned here (:mod:`ckptd.reshard.reader`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import botocore.exceptions
 
 from ckptd.errors import StorageError
 from ckptd.storage import s3_retry as retry
-
-if TYPE_CHECKING:
-    from ckptd.storage.s3 import S3Objects
+from ckptd.storage.s3_transfer import S3Transfer
 
 T = TypeVar("T")
+
+
+class S3Objects(Protocol):
+    """What a range read needs of :class:`ckptd.storage.s3.S3Objects` (declared here: that
+    module imports this one)."""
+
+    bucket: str
+    transfer: S3Transfer
+
+    def url(self, key: str) -> str: ...
+
+    async def _retrying(self, request: Callable[[Any], Awaitable[T]], key: str,
+                        action: str) -> T: ...
 
 # Fallback chunk for bodies without aiohttp's StreamReader (aiobotocore's httpx backend).
 _CHUNK = 1 << 20

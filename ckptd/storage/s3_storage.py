@@ -19,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptd import config
-from ckptd.storage.base import Buffer, StorageBase, check_ranges, join, relative
+from ckptd.storage.base import Buffer, Gate, Storage, check_ranges, join, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS, S3Transfer
 
 
-class S3Storage(StorageBase):
+class S3Storage(Storage):
     """A checkpoint root on S3 (or an S3-compatible server). Thread-safe.
 
     ``storage_options`` go to :class:`s3fs.S3FileSystem` (``key``, ``secret``,
@@ -61,8 +61,8 @@ class S3Storage(StorageBase):
 
     # -- the Storage protocol --------------------------------------------------------------
 
-    def write_file(self, path: str, parts: Iterable[Buffer]) -> int:
-        return self._objects.write_file(self._key(path), parts)
+    def write_file(self, path: str, parts: Iterable[Buffer], gate: Gate | None = None) -> int:
+        return self._objects.write_file(self._key(path), parts, gate)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self._objects.put(self._key(path), data)

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any
+
+from ckptd import config
 
 S3_PROTOCOLS = ("s3", "s3a")
 
@@ -50,15 +50,4 @@ class S3Transfer:
     def from_env(cls) -> S3Transfer:
         """Defaults, overridden by ``CKPTD_S3_<FIELD>`` environment variables (upper case), the
         same convention as :mod:`ckptd.config`; used when no ``transfer`` is given."""
-        changes: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            name = f"CKPTD_S3_{field.name.upper()}"
-            raw = os.environ.get(name)
-            if raw is None:
-                continue
-            try:
-                changes[field.name] = float(raw) if field.type == "float" else int(raw)
-            except ValueError as e:
-                kind = "a number" if field.type == "float" else "an integer"
-                raise ValueError(f"{name}={raw!r}: expected {kind}") from e
-        return cls(**changes)
+        return cls(**config.env_fields(cls, "CKPTD_S3"))

@@ -11,7 +11,7 @@ from ckptd import config
 from ckptd.manifest import Chunk, FrameTable, codecs
 from ckptd.regions import Box
 from ckptd.storage import Storage
-from ckptd.storage.base import Buffer
+from ckptd.storage.base import Buffer, Gate
 from ckptd.writer.pack import FilePlan
 
 if TYPE_CHECKING:
@@ -64,8 +64,10 @@ def write_file(
     level: int,
     framing: Framing,
     rank: int,
+    gate: Gate | None = None,
 ) -> ChunkList:
-    """Write one data file; return the chunks it holds (with their frames' checksums)."""
+    """Write one data file; return the chunks it holds (with their frames' checksums).
+    ``gate``: the storage's, before each block it writes (the node agent's pace and stop)."""
     mem = memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
     chunks: ChunkList = []
     if codec == codecs.RAW:
@@ -86,7 +88,7 @@ def write_file(
         for s, fb, frames in zip(plan.slots, frame_sizes, tables, strict=True):
             chunks.append((s.piece.name, _chunk(s.piece.box, rel_path, s.offset - plan.start,
                                                 s.nbytes, codec, fb, frames, rank)))
-        storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]])
+        storage.write_file(f"{step_dir}/{rel_path}", [mem[plan.start : plan.end]], gate)
         return chunks
 
     parts: list[Buffer] = []
@@ -111,7 +113,7 @@ def write_file(
                 ),
             )
         )
-    storage.write_file(f"{step_dir}/{rel_path}", parts)
+    storage.write_file(f"{step_dir}/{rel_path}", parts, gate)
     return chunks
 
 

@@ -28,7 +28,6 @@ from ckptd.manifest.frames import table_file
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
-from ckptd.storage.base import gated
 from ckptd.writer.files import ChunkList, Framing, gather, write_file
 from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
@@ -167,7 +166,7 @@ class RankWriter:
     ) -> None:
         """``gate(nbytes)``: the node agent's pace and stop (:class:`ckptd.writer.remote.Gate`),
         called in the I/O thread before each file (with 0) and before each block the storage
-        writes of it (:func:`ckptd.storage.base.gated`); what it raises fails that file."""
+        writes of it (``Storage.write_file``'s gate); what it raises fails that file."""
         self.storage = storage
         self.io = io
         self.pool = pool
@@ -219,12 +218,12 @@ class RankWriter:
         return futures
 
     def _write_file(self, storage: Storage, step_dir: str, rel_path: str,
-                    arena: torch.Tensor | HostArray, plan: FilePlan, *args: Any) -> ChunkList:
-        if self.gate is None:
-            return write_file(storage, step_dir, rel_path, arena, plan, *args)
-        self.gate(0)  # stopped before it starts, whatever the backend says of its blocks
-        with gated(self.gate):
-            return write_file(storage, step_dir, rel_path, arena, plan, *args)
+                    arena: torch.Tensor | HostArray, plan: FilePlan, codec: str, level: int,
+                    framing: Framing, rank: int) -> ChunkList:
+        if self.gate is not None:
+            self.gate(0)  # stopped before it starts, whatever the backend says of its blocks
+        return write_file(storage, step_dir, rel_path, arena, plan, codec, level, framing, rank,
+                          self.gate)
 
     def write_round(
         self, share: Share, arena: Arena, rnd: Round, first_index: int, codec: str | None = None

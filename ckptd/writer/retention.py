@@ -28,7 +28,7 @@ from ckptd import config
 from ckptd.manifest import layout
 from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, read_owner
 from ckptd.storage import Storage
-from ckptd.storage.base import extended
+from ckptd.storage.base import as_storage
 from ckptd.writer.commit import attempt_run
 
 log = logging.getLogger("ckptd")
@@ -132,7 +132,7 @@ def collect_garbage(
     report = GcReport()
     if keep_last > 0:
         report.removed_committed = apply_retention(storage, keep_last)
-    uploads = extended(storage)
+    uploads = storage = as_storage(storage)  # (a user's own object: with the defaults)
     commits = {c.step: read_manifest(storage, c.step).attempt for c in committed(storage)}
     judge = _Judge(storage, read_owner(storage), commits)
 

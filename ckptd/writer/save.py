@@ -37,7 +37,6 @@ from ckptd.errors import CkptdError
 from ckptd.manifest import TensorEntry, codecs, layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
-from ckptd.storage.base import extended
 from ckptd.writer import commit, exiting
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import Executor, InProcess, Pending
@@ -312,7 +311,7 @@ class Saver:
         log.info("ckptd save %s", json.dumps(line))
         if self.options.rank == 0:
             try:
-                extended(self.storage).append_text(layout.METRICS, json.dumps(line) + "\n")
+                self.storage.append_text(layout.METRICS, json.dumps(line) + "\n")
             except OSError as e:
                 log.warning("ckptd: could not append metrics: %s", e)
 

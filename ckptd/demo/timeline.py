@@ -12,7 +12,7 @@ for the simulated machine, a job secret for the peer copies, sent as soon as a s
 ``CKPTD_PEER_COPY=staged``): restarts read from the agents' memory, and the lost node's part from
 the copy its ring successor holds.
 
-The nodes are ``ckptd.elastic.cluster``'s (and why torch 2.13 needs two settings for them).
+The nodes are ``ckptd.demo.cluster``'s (and why torch 2.13 needs two settings for them).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.data import GlobalOrder
-from ckptd.elastic.cluster import Cluster, DemoError, interruptible, step_reached
+from ckptd.demo.cluster import Cluster, DemoError, interruptible, step_reached
 from ckptd.elastic.events import Incarnation, summarize
 from ckptd.elastic.history import TrainingMeta, scale_up_wait_s
 
