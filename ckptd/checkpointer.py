@@ -21,7 +21,7 @@ from ckptd import config
 from ckptd.agent.client import AgentClient
 from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for
-from ckptd.agent.tier import memory_tier
+from ckptd.agent.load_tier import memory_tier
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, catalog, layout
 from ckptd.reshard.committed import LoadResult, Reader
@@ -32,9 +32,9 @@ from ckptd.world import agree_attempt_base, agree_run_id, dist_or_none, resolve_
 from ckptd.writer import exiting
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import InProcess
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
 from ckptd.writer.save import SaveOptions, Saver
-from ckptd.writer.signals import Signals
 from ckptd.writer.staging import StagingPool
 
 log = logging.getLogger("ckptd")
@@ -128,7 +128,7 @@ class Checkpointer:
                   auto: AutoCodec | None) -> InProcess | AgentExecutor:
         """What runs the saves' background half: this process's I/O threads, or the node
         agent (with those as its fallback)."""
-        here = InProcess(self.storage, self._io, Signals.from_process_group(),
+        here = InProcess(self.storage, self._io, GroupStore.from_process_group(),
                          max(1, options.max_inflight), auto)
         if client is None:
             return here

@@ -625,7 +625,7 @@ def test_a_restart_on_other_nodes_reads_what_another_agent_holds_from_it(tmp_pat
 def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch, caplog):
     import json
 
-    from ckptd.agent.peers import Outgoing, Replicator
+    from ckptd.agent.replication import Outgoing, Replicator
 
     monkeypatch.setenv("CKPTD_JOB_SECRET", "the-right-one")
     root = str(tmp_path / "root")
@@ -650,7 +650,7 @@ def _send_as_peer(me: dict, root: str, step: int, data: bytes, digest_of: bytes)
     digest of ``digest_of``: the agent's last answer."""
     import xxhash
 
-    from ckptd.agent.peer_link import answer_challenge
+    from ckptd.agent.peer_wire import answer_challenge
 
     with socket.create_connection((me["host"], me["port"]), timeout=30) as s:
         answer_challenge(s, b"s3cret-of-this-job", "refused")
@@ -801,7 +801,7 @@ def test_a_step_a_load_is_reading_is_not_given_back_to_its_trainer(tmp_path, age
 
 def test_a_remote_read_that_fails_is_read_from_storage_once_warned(tmp_path, caplog):
     from ckptd.storage import open_storage
-    from ckptd.storage.memory_tier import MemoryTier
+    from ckptd.storage.tiered import MemoryTier
 
     storage = open_storage(str(tmp_path))
     payload = bytes(range(256)) * 64
@@ -1121,14 +1121,15 @@ def test_a_stopping_agent_counts_every_save_it_is_writing_against_the_grace_left
     monkeypatch.setenv("CKPTD_AGENT_WRITE_BPS", str(1 << 20))  # 1 MiB/s
     monkeypatch.setenv("CKPTD_GRACE_S", "30")
     agent = Agent("n", str(tmp_path))
-    assert agent.claim(20 << 20)  # not stopping: taken (and counted)
+    assert agent.book_write(20 << 20)  # not stopping: taken (and counted)
     agent.stop()
-    assert agent.claim(8 << 20)  # with the 20 MiB being written: 28 s of the 30 s
-    assert not agent.claim(4 << 20)  # 32 s: it would fit alone, not with the others
-    assert not agent.claim(4 << 20, force=True)  # no peer took it: written here, and counted
-    agent.release(20 << 20)
-    assert agent.claim(16 << 20)  # 8 + 4 + 16 MiB: 28 s
-    assert not agent.claim(4 << 20)
+    assert agent.book_write(8 << 20)  # with the 20 MiB being written: 28 s of the 30 s
+    assert not agent.book_write(4 << 20)  # 32 s: it would fit alone, not with the others
+    # no peer took it: written here, and counted
+    assert not agent.book_write(4 << 20, force=True)
+    agent.unbook_write(20 << 20)
+    assert agent.book_write(16 << 20)  # 8 + 4 + 16 MiB: 28 s
+    assert not agent.book_write(4 << 20)
 
 
 def test_a_hand_off_gives_up_on_a_peer_that_never_answers_when_the_grace_window_ends(

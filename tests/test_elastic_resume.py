@@ -1,6 +1,6 @@
 """The restart flow in one process: planning, data position, history, and the preemption save.
 
-Signals are real (``os.kill`` of this process); when a save must be in flight at the moment the
+GroupStore are real (``os.kill`` of this process); when a save must be in flight at the moment the
 SIGTERM arrives, its data writes wait on a gate that the SIGTERM callback itself opens, so the
 ordering is guaranteed without timing anything.
 """

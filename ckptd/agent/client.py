@@ -228,7 +228,7 @@ class AgentClient:
         return Held(out, int(reply["lease"]), copies,
                     (str(address[0]), int(address[1])) if address else None)
 
-    def committed(self, rank: int, step: int) -> None:
+    def saw_commit(self, rank: int, step: int) -> None:
         """``rank``'s ``step`` committed (its trainer saw it): the agent may drop older steps
         and copy this one to its peers. The arenas it gives back arrive before this returns."""
         self._request({"op": "committed", "storage": self._storage, "rank": rank, "step": step},

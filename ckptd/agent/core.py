@@ -1,5 +1,5 @@
 """What the node agent's parts — one trainer's session (:mod:`.session`), the side facing the
-other agents (:mod:`.peering`) — use of the agent (:class:`ckptd.agent.server.Agent`), declared
+other agents (:mod:`.peer_service`) — use of the agent (:class:`ckptd.agent.server.Agent`), declared
 here so that they depend on this seam, not on the process that owns them (which imports them:
 a cycle otherwise).
 """
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckptd.agent.gate import Gate
-from ckptd.agent.memory import Kept, Memory
+from ckptd.agent.holdings import HeldStep, Holdings
 from ckptd.agent.orphans import JobKey, Shares
-from ckptd.agent.peer_link import PeerServer
-from ckptd.agent.peers import Outgoing, Replicator
+from ckptd.agent.peer_wire import PeerServer
+from ckptd.agent.replication import Outgoing, Replicator
 from ckptd.agent.upkeep import Upkeep
 from ckptd.storage import Storage
 
@@ -36,8 +36,8 @@ class Flight:
 
 
 class PeerSide(Protocol):
-    """What a session asks of the agent's side facing its peers (:class:`ckptd.agent.peering.
-    Peering`)."""
+    """What a session asks of the agent's side facing its peers (:class:`ckptd.agent.peer_service.
+    PeerService`)."""
 
     server: PeerServer | None
     replicator: Replicator | None
@@ -45,10 +45,10 @@ class PeerSide(Protocol):
     def hand_off(self, spec: dict[str, Any], job: dict[str, Any], staged: memoryview,
                  rank: int, step: int) -> str | None: ...
 
-    def replicate_staged(self, spec: dict[str, Any], rank: int, kept: Kept
+    def replicate_staged(self, spec: dict[str, Any], rank: int, kept: HeldStep
                          ) -> Outgoing | None: ...
 
-    def step_committed(self, spec: dict[str, Any], rank: int, kept: Kept) -> None: ...
+    def step_committed(self, spec: dict[str, Any], rank: int, kept: HeldStep) -> None: ...
 
     def write_held(self, spec: dict[str, Any], job: dict[str, Any],
                    copy: Outgoing) -> str | None: ...
@@ -62,13 +62,13 @@ class AgentCore(Protocol):
     paths: dict[str, str]
     keep_in_memory: int
     idle_exit_s: float
-    memory: Memory
+    holdings: Holdings
     upkeep: Upkeep
     shares: Shares
     stopping: threading.Event
 
     @property
-    def peering(self) -> PeerSide: ...
+    def peer_side(self) -> PeerSide: ...
 
     def tag(self, what: str) -> str: ...
 
@@ -78,9 +78,9 @@ class AgentCore(Protocol):
 
     def writing(self, flight: Flight) -> contextlib.AbstractContextManager[Flight]: ...
 
-    def claim(self, nbytes: int, *, force: bool = False) -> bool: ...
+    def book_write(self, nbytes: int, *, force: bool = False) -> bool: ...
 
-    def release(self, nbytes: int) -> None: ...
+    def unbook_write(self, nbytes: int) -> None: ...
 
     def grace_left(self) -> float: ...
 

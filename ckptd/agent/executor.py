@@ -23,8 +23,8 @@ from ckptd.storage import Storage
 from ckptd.writer import commit, exiting
 from ckptd.writer.executor import InProcess, Outcome, Pending
 from ckptd.writer.files import ChunkList
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import SaveJob
-from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
 log = logging.getLogger("ckptd")
@@ -36,7 +36,7 @@ class AgentExecutor:
     def __init__(self, client: AgentClient, fallback: InProcess, slots: int, rank: int) -> None:
         self.client, self.fallback, self.rank = client, fallback, rank
         self.storage: Storage = fallback.storage
-        self.signals: Signals = fallback.signals
+        self.signals: GroupStore = fallback.signals
         # the arenas it may hold besides the one being staged: the kept steps, one being
         # copied to a peer, one a load (another process's, perhaps) is reading
         self._pool = StagingPool(slots + client.keep + int(client.peers) + 1,
@@ -125,13 +125,13 @@ class AgentExecutor:
             self.signals.publish_committed(share.attempt)  # the agent committed it
         return Outcome(int(reply["nbytes"]), float(reply.get("write_s", 0.0)), handed)
 
-    def committed(self, rank: int, step: int) -> None:
+    def saw_commit(self, rank: int, step: int) -> None:
         """The agent keeps a step it wrote but did not commit beside the committed one until
         it hears of the commit (``docs/agent.md``)."""
         if not self.alive:
             return
         try:
-            self.client.committed(rank, step)
+            self.client.saw_commit(rank, step)
         except CkptdError as e:  # lost: it holds nothing any more
             log.warning("ckptd: the node agent did not take note of step %d's commit: %s",
                         step, e)

@@ -26,8 +26,8 @@ from ckptd.agent.session import background
 from ckptd.manifest import layout
 from ckptd.storage import Storage
 from ckptd.writer import retention
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import run
-from ckptd.writer.signals import Signals
 
 log = logging.getLogger("ckptd.agent")
 
@@ -53,7 +53,7 @@ def write(storage: Storage, header: dict[str, Any], staged: torch.Tensor, node: 
     with ThreadPoolExecutor(config.io_threads(), thread_name_prefix="ckptd-handoff-io",
                             initializer=background) as io:
         owed = retention.Owed()
-        out = run(job, storage, io, staged, signals=Signals(None), owed=owed, give_up=give_up,
+        out = run(job, storage, io, staged, signals=GroupStore(None), owed=owed, give_up=give_up,
                   gate=gate)
     log.warning("ckptd agent: wrote node %s's rank %d step %d (%d bytes, handed over)%s",
                 header["origin"], share.rank, share.step, out.nbytes,

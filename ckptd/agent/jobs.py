@@ -18,7 +18,7 @@ from ckptd.manifest.schema import dtype_from_name, dtype_name
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.writer.files import Framing
-from ckptd.writer.job import Commit, SaveJob
+from ckptd.writer.job import CommitParams, SaveJob
 from ckptd.writer.pack import FilePlan, Slot
 from ckptd.writer.pipeline import Round, Share
 
@@ -90,7 +90,7 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
                                 "frames_per_chunk"))
     timeout = c.get("timeout_s")
     return SaveJob(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
-                   framing, Commit(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
+                   framing, CommitParams(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
                                    int(c["keep_last"]), incarnation_of(c),
                                    None if timeout is None else float(timeout)))
 

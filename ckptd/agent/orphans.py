@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.agent import jobs
-from ckptd.agent.peer_link import ask
-from ckptd.agent.peers import Replicator
+from ckptd.agent.peer_wire import ask
+from ckptd.agent.replication import Replicator
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")

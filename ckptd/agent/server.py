@@ -12,8 +12,8 @@ socket's mode.
 SIGTERM or a ``stop`` request: stop accepting new clients; serve the connected trainers until
 they close (their last save comes after the SIGTERM) or the grace window ends; finish every job —
 a save that cannot be written in the grace left is handed to a peer that is not stopping
-(:meth:`Agent.claim`, :meth:`Peering.hand_off`), and saves being written that cannot finish in
-it are stopped and written by the peer that holds their staged copy
+(:meth:`Agent.book_write`, :meth:`PeerService.hand_off`), and saves being written that cannot
+finish in it are stopped and written by the peer that holds their staged copy
 (:meth:`Agent._stop_writes_peers_hold`); wait for the newest step's peer copies inside the grace
 left; exit. With no client and no job for ``--idle-exit`` seconds the agent exits by
 itself (a job's agent does not outlive it for long).
@@ -38,9 +38,9 @@ from ckptd import config
 from ckptd.agent import orphans, wire
 from ckptd.agent.core import Flight
 from ckptd.agent.gate import Gate
-from ckptd.agent.memory import Memory
+from ckptd.agent.holdings import Holdings
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peering import Peering
+from ckptd.agent.peer_service import PeerService
 from ckptd.agent.session import Session
 from ckptd.agent.shm import remove_stale, unlink
 from ckptd.agent.upkeep import Upkeep, release_after_s
@@ -63,10 +63,10 @@ class Agent:
                  release_s: float | None = None) -> None:
         self.node, self.dir, self.idle_exit_s = node, directory, idle_exit_s
         self.keep_in_memory = keep_in_memory
-        self.memory = Memory(keep_in_memory, budget, self._give_back, self._owner_of)
-        self.upkeep = Upkeep(self.memory, idle_exit_s,
+        self.holdings = Holdings(keep_in_memory, budget, self._give_back, self._owner_of)
+        self.upkeep = Upkeep(self.holdings, idle_exit_s,
                              release_s if release_s is not None else release_after_s())
-        self.peering = Peering(self)  # the job's other agents (with CKPTD_JOB_SECRET)
+        self.peer_side = PeerService(self)  # the job's other agents (with CKPTD_JOB_SECRET)
         self.paths = wire.paths(node, directory)
         self.instance = wire.instance(node)  # the node and its environment's digest
         self.start_id = secrets.token_hex(4)
@@ -101,7 +101,7 @@ class Agent:
             log.info("ckptd agent: another agent serves node %s", self.node)
             return 0
         self._remove_stale_segments()
-        self.peering.start()
+        self.peer_side.start()
         unlink(self.paths["sock"])  # a dead agent's; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -117,8 +117,8 @@ class Agent:
                  "leaves %d bytes of the node's memory and %d of /dev/shm free; gives a root's "
                  "steps back %.0f s after its last trainer, exits after %.0f idle s)",
                  os.getpid(), wire.identity()["version"], wire.identity()["code"], self.node,
-                 self.paths["sock"], self.memory.budget, self.memory.reserve,
-                 self.memory.shm_reserve, self.upkeep.release_s, self.idle_exit_s)
+                 self.paths["sock"], self.holdings.budget, self.holdings.reserve,
+                 self.holdings.shm_reserve, self.upkeep.release_s, self.idle_exit_s)
         pause = 0.0
         try:
             while not self.stopping.is_set():
@@ -148,8 +148,8 @@ class Agent:
             listener.close()
             unlink(self.paths["sock"])
             self._drain()
-            self.peering.close()
-            self.memory.close()
+            self.peer_side.close()
+            self.holdings.close()
             os.close(lock_fd)
         log.info("ckptd agent %d stopped", os.getpid())
         return 0
@@ -204,7 +204,7 @@ class Agent:
         window at this node's bandwidth, stop every one whose staged copy a peer holds
         (``CKPTD_PEER_COPY=staged``; a copy still being sent is waited for, inside the grace
         left) between two blocks: its job then asks that peer to write it from the copy
-        (:meth:`Peering.write_held`), and writes it here only if none will."""
+        (:meth:`PeerService.write_held`), and writes it here only if none will."""
         with self._lock:
             flights, bps = list(self._flights), self._bandwidth
         left = sum(f.left for f in flights)
@@ -221,11 +221,11 @@ class Agent:
                             "write", f.copy.rank, f.copy.step, f.left, f.nbytes)
                 f.gate.stop()
 
-    def claim(self, nbytes: int, *, force: bool = False) -> bool:
+    def book_write(self, nbytes: int, *, force: bool = False) -> bool:
         """Whether a save of ``nbytes`` can be written here before the grace window ends, with
         the bytes of every save this node is writing already (one disk: the node's jobs share
         its bandwidth). True while not stopping, and when no bandwidth is measured or assumed;
-        then the bytes count as being written until :meth:`release`. ``force``: count them
+        then the bytes count as being written until :meth:`unbook_write`. ``force``: count them
         whatever the answer (a save that no peer took is written here all the same)."""
         with self._lock:
             bps = self._bandwidth
@@ -235,7 +235,7 @@ class Agent:
                 self._writing += nbytes
             return fits
 
-    def release(self, nbytes: int) -> None:
+    def unbook_write(self, nbytes: int) -> None:
         with self._lock:
             self._writing -= nbytes
 
@@ -256,7 +256,7 @@ class Agent:
             return None
         self._warned.add(root)
         advice = ("the peer copies keep it safe if this node is lost"
-                  if self.peering.replicator else "set CKPTD_JOB_SECRET to keep a peer copy")
+                  if self.peer_side.replicator else "set CKPTD_JOB_SECRET to keep a peer copy")
         msg = (f"{node / 1e9:.3g} GB per node at {bps / 1e9:.3g} GB/s needs {need:.0f} s > "
                f"{grace:.0f} s of SIGTERM grace: {advice}")
         log.warning("ckptd agent: %s", msg)
@@ -304,9 +304,9 @@ class Agent:
         roots, busy, sessions = self._in_use()
         sessions -= 1
         return {"pid": os.getpid(), "node": self.node, **wire.identity(),
-                "log": self.paths["log"], "memory_used": self.memory.used,
-                "memory_budget": self.memory.budget, "memory_reserve": self.memory.reserve,
-                "shm_reserve": self.memory.shm_reserve,
+                "log": self.paths["log"], "memory_used": self.holdings.used,
+                "memory_budget": self.holdings.budget, "memory_reserve": self.holdings.reserve,
+                "shm_reserve": self.holdings.shm_reserve,
                 **self.upkeep.status(roots, busy, sessions)}
 
     def _drain(self) -> None:
@@ -323,8 +323,8 @@ class Agent:
                 self._idle.wait(min(1.0, self.grace_left()))
         while self.wait_idle(60.0):
             log.info("ckptd agent: waiting for %d job(s) before exiting", self._busy)
-        if self.peering.replicator is not None:
-            left = self.peering.replicator.wait_sent(max(0.0, self.grace_left()))
+        if self.peer_side.replicator is not None:
+            left = self.peer_side.replicator.wait_sent(max(0.0, self.grace_left()))
             if left:
                 log.warning("ckptd agent: exiting with %d peer copies not sent", left)
 
@@ -395,7 +395,7 @@ class Agent:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot
         come: its run was restarted on this node and no agent writes or awaits them
         (:mod:`ckptd.agent.orphans`)."""
-        return orphans.give_up(self.peering.replicator, self.storage(spec), self.shares, job)
+        return orphans.give_up(self.peer_side.replicator, self.storage(spec), self.shares, job)
 
     def session_ended(self, session: Session) -> None:
         with self._lock:

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 from ckptd import config
 from ckptd.agent import jobs, wire
 from ckptd.agent.core import AgentCore, Flight
-from ckptd.agent.memory import Kept
+from ckptd.agent.holdings import HeldStep
 from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
 from ckptd.manifest import codecs
 from ckptd.writer import retention
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import Interrupted, SaveJob, run
-from ckptd.writer.signals import Signals
 
 if TYPE_CHECKING:
-    from ckptd.agent.peers import Outgoing
+    from ckptd.agent.replication import Outgoing
 
 log = logging.getLogger("ckptd.agent")
 
@@ -59,7 +59,7 @@ class Session:
                                         initializer=background)
         self._io: ThreadPoolExecutor | None = None
         self._next_segment = 0
-        self._leases: dict[int, list[Kept]] = {}  # loads reading kept steps
+        self._leases: dict[int, list[HeldStep]] = {}  # loads reading kept steps
         self._retention = retention.Owed()  # after rank 0's commit, settled by its next save
         # the segments that jobs queued or running still use (the trainer may die meanwhile:
         # then the job, not the session's end, decides whether its arena is kept or removed)
@@ -99,14 +99,14 @@ class Session:
             self.conn.close()
             for pinned in self._leases.values():
                 for k in pinned:
-                    self.agent.memory.pin(k, -1)
+                    self.agent.holdings.pin(k, -1)
             with self._state:
                 self._ended = True
                 in_use = set(self._in_use)
-            self.agent.memory.orphan(self)
+            self.agent.holdings.orphan(self)
             for seg_id, seg in self.segments.items():  # names go, but not under a job
-                if seg_id not in in_use and not self.agent.memory.is_kept(seg):
-                    self.agent.memory.forget(seg)
+                if seg_id not in in_use and not self.agent.holdings.is_kept(seg):
+                    self.agent.holdings.forget(seg)
             self._jobs.submit(self._settle_retention)  # after the jobs still queued
             self._jobs.shutdown(wait=False)  # queued jobs still run; then the session is gone
             if self.trainer is not None:
@@ -133,10 +133,10 @@ class Session:
             if self.trainer is None and msg.get("run") is not None:
                 self.trainer = (str(msg["run"]), int(msg["rank"]))
                 self.agent.shares.connected(*self.trainer, +1)
-            if self.agent.peering.replicator is not None and spec.get("url"):
+            if self.agent.peer_side.replicator is not None and spec.get("url"):
                 # announced before the first save, so that every node's first copy finds its
                 # peers
-                self.agent.peering.replicator.register(self.agent.storage(spec))
+                self.agent.peer_side.replicator.register(self.agent.storage(spec))
             threads = max(1, int(msg.get("threads", config.io_threads())))
             if self._io is None:
                 self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"ckptd-aio-{self.pid}",
@@ -144,21 +144,21 @@ class Session:
             self.reply({"id": rid, "op": "hello", "pid": os.getpid(), "node": self.agent.node,
                         "version": jobs.VERSION, "identity": wire.identity(),
                         "keep": self.agent.keep_in_memory,
-                        "peers": self.agent.peering.replicator is not None,
-                        "budget": self.agent.memory.budget, "log": self.agent.paths["log"],
+                        "peers": self.agent.peer_side.replicator is not None,
+                        "budget": self.agent.holdings.budget, "log": self.agent.paths["log"],
                         "idle_exit_s": self.agent.idle_exit_s,
                         "release_s": self.agent.upkeep.release_s})
         elif op == "arena":
             nbytes = int(msg["nbytes"])
             self._next_segment += 1
-            seg = self.agent.memory.create(nbytes, self.agent.tag(str(self.pid)))
+            seg = self.agent.holdings.create(nbytes, self.agent.tag(str(self.pid)))
             self.segments[self._next_segment] = seg
             self.reply({"id": rid, "op": "arena", "segment": self._next_segment,
                         "path": seg.path})
         elif op == "free":
             freed = self.segments.pop(int(msg["segment"]), None)  # a job using it holds it
-            if freed is not None and not self.agent.memory.is_kept(freed):
-                self.agent.memory.forget(freed)
+            if freed is not None and not self.agent.holdings.is_kept(freed):
+                self.agent.holdings.forget(freed)
         elif op == "save":
             # the trainer does not wait for an answer: a job that does not decode fails
             # through its "failed" reply
@@ -175,21 +175,21 @@ class Session:
                              args=(rid, str(msg["run"]), float(msg["timeout_s"])),
                              daemon=True).start()
         elif op == "kept":  # a load: what memory holds, pinned until "unpin" (or we end)
-            files, pinned = self.agent.memory.pin_files(msg["storage"])
+            files, pinned = self.agent.holdings.pin_files(msg["storage"])
             self._next_lease += 1
             self._leases[self._next_lease] = pinned
-            server = self.agent.peering.server
+            server = self.agent.peer_side.server
             address = server.address if server is not None else None
             self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease,
                         "address": address})
         elif op == "unpin":
             for k in self._leases.pop(int(msg["lease"]), []):
-                self.agent.memory.pin(k, -1)
+                self.agent.holdings.pin(k, -1)
         elif op == "committed":  # a trainer saw its step commit (rank 0's agent commits)
             rank, step = int(msg["rank"]), int(msg["step"])
-            kept, released = self.agent.memory.committed(msg["storage"], rank, step, self)
+            kept, released = self.agent.holdings.commit_seen(msg["storage"], rank, step, self)
             if kept is not None:
-                self.agent.peering.step_committed(msg["storage"], rank, kept)
+                self.agent.peer_side.step_committed(msg["storage"], rank, kept)
             if released:  # before the reply: the trainer has them back when it returns
                 self.reply({"op": "released", "segments": released})
             self.reply({"id": rid, "op": "committed"})
@@ -207,12 +207,12 @@ class Session:
         else:
             raise ValueError(f"unknown request {op!r}")
 
-    def _keep(self, job: SaveJob, seg: Segment, seg_id: int) -> Kept | None:
+    def _keep(self, job: SaveJob, seg: Segment, seg_id: int) -> HeldStep | None:
         """The memory tier's copy of this step: the arena itself (no copy). Only uncompressed
         files: there the arena range is the file."""
         if self.agent.keep_in_memory < 1 or job.codec != codecs.RAW or not job.round.plans:
             return None
-        return Kept(job.share.step, seg, jobs.file_ranges(job), self, seg_id,
+        return HeldStep(job.share.step, seg, jobs.file_ranges(job), self, seg_id,
                     run=job.commit.run_id)
 
     def _drained(self, rid: Any, run: str, timeout_s: float) -> None:
@@ -227,19 +227,20 @@ class Session:
             seg = self.segments[seg_id]
             job = jobs.decode(msg["job"], seg.tensor)
             nbytes = job.round.nbytes
-            if not self.agent.claim(nbytes):  # stopping, and too slow to write it with the rest
+            # stopping, and too slow to write it with the rest: to a peer
+            if not self.agent.book_write(nbytes):
                 staged = seg.view()[:nbytes]
-                to = self.agent.peering.hand_off(msg["storage"], msg["job"], staged,
+                to = self.agent.peer_side.hand_off(msg["storage"], msg["job"], staged,
                                                  job.share.rank, job.share.step)
                 if to is not None:
                     self._handed(rid, nbytes, to)
                     return
                 log.warning("ckptd agent: %s: no peer took it; writing it here, past the "
                             "grace window if it must", what)
-                self.agent.claim(nbytes, force=True)
+                self.agent.book_write(nbytes, force=True)
             claimed = nbytes
             kept = self._keep(job, seg, seg_id)
-            early = (self.agent.peering.replicate_staged(msg["storage"], job.share.rank, kept)
+            early = (self.agent.peer_side.replicate_staged(msg["storage"], job.share.rank, kept)
                      if kept is not None else None)
             try:
                 out = self._write(msg, job, seg, key, early)
@@ -257,10 +258,10 @@ class Session:
             if kept is not None:
                 kept.committed = job.share.rank == 0  # this agent committed it
                 if kept.committed:
-                    self.agent.memory.owned_by(msg["storage"], job.commit.run_id)
-                out["released"] = self.agent.memory.keep(msg["storage"], job.share.rank, kept)
+                    self.agent.holdings.owned_by(msg["storage"], job.commit.run_id)
+                out["released"] = self.agent.holdings.keep(msg["storage"], job.share.rank, kept)
                 if kept.committed and not kept.dropped:  # (dropped: older than a commit since)
-                    self.agent.peering.step_committed(msg["storage"], job.share.rank, kept)
+                    self.agent.peer_side.step_committed(msg["storage"], job.share.rank, kept)
             else:
                 out["released"] = []
             log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
@@ -270,7 +271,7 @@ class Session:
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply(wire.failure(rid, e))
         finally:
-            self.agent.release(claimed)
+            self.agent.unbook_write(claimed)
             self._job_done(seg_id)
             self.agent.job_ended(key)
 
@@ -290,20 +291,20 @@ class Session:
         owed = None if self.agent.stopping.is_set() else self._retention
         try:
             with self.agent.writing(flight):
-                out = run(job, storage, io, seg.tensor, signals=Signals(None), owed=owed,
+                out = run(job, storage, io, seg.tensor, signals=GroupStore(None), owed=owed,
                           give_up=give_up, gate=flight.gate)
             return {"nbytes": out.nbytes, "write_s": out.write_s}
         except Interrupted as e:
             assert early is not None  # only a save with a copy held by a peer is stopped
             written = e.written
-        to = self.agent.peering.write_held(msg["storage"], msg["job"], early)
+        to = self.agent.peer_side.write_held(msg["storage"], msg["job"], early)
         if to is not None:
             return to
         log.warning("ckptd agent: rank %d step %d: no peer writes it from its copy; writing it "
                     "here (%d of its %d files left), past the grace window if it must",
                     job.share.rank, job.share.step, len(job.round.plans) - len(written),
                     len(job.round.plans))
-        out = run(job, storage, io, seg.tensor, signals=Signals(None), owed=None,
+        out = run(job, storage, io, seg.tensor, signals=GroupStore(None), owed=None,
                   give_up=give_up, gate=self.agent.gate(), written=written)
         # its write time is of the files left: no bandwidth to learn
         return {"nbytes": out.nbytes, "write_s": out.write_s, "resumed": True}
@@ -336,10 +337,10 @@ class Session:
             del self._in_use[seg_id]
             ended = self._ended
         if ended:
-            self.agent.memory.orphan(self)
+            self.agent.holdings.orphan(self)
             seg = self.segments.get(seg_id)
-            if seg is not None and not self.agent.memory.is_kept(seg):
-                self.agent.memory.forget(seg)
+            if seg is not None and not self.agent.holdings.is_kept(seg):
+                self.agent.holdings.forget(seg)
 
 
 __all__ = ["Session"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd import config
-from ckptd.agent.memory import Memory
+from ckptd.agent.holdings import Holdings
 
 log = logging.getLogger("ckptd.agent")
 
@@ -49,7 +49,7 @@ def _local_dir(root: str) -> str | None:
 class Upkeep:
     """One agent's housekeeping: called with what is in use at each tick of its accept loop."""
 
-    memory: Memory
+    holdings: Holdings
     idle_exit_s: float
     release_s: float = field(default_factory=release_after_s)
     retiring: str | None = None  # why, once a trainer of another ckptd asked it to go
@@ -84,7 +84,7 @@ class Upkeep:
         return False
 
     def _release(self, active: set[str], now: float) -> None:
-        for root in self.memory.roots():
+        for root in self.holdings.roots():
             local = _local_dir(root)
             last = self._last_use.setdefault(root, now)
             if local is not None and not os.path.isdir(local):
@@ -93,7 +93,7 @@ class Upkeep:
                 why = f"no trainer used it for {self.release_s:.0f} s"
             else:
                 continue
-            freed = self.memory.release(root)
+            freed = self.holdings.release(root)
             if freed:
                 log.info("ckptd agent: gave back %d bytes of %s: %s", freed,
                          json.loads(root).get("url"), why)
@@ -105,7 +105,7 @@ class Upkeep:
         """What ``ckptd agent --status`` shows of memory and time."""
         now = time.monotonic()
         roots = []
-        for root, (nbytes, steps) in sorted(self.memory.roots().items()):
+        for root, (nbytes, steps) in sorted(self.holdings.roots().items()):
             idle = 0.0 if root in active else now - self._last_use.get(root, now)
             roots.append({"url": json.loads(root).get("url"), "bytes": nbytes, "steps": steps,
                           "in_use": root in active,

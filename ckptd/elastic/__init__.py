@@ -29,8 +29,8 @@ _EXPORTS = {
     "InvalidSpec": "ckptd.elastic.specs",
     "ModelSpec": "ckptd.elastic.specs",
     "TrainingSpec": "ckptd.elastic.specs",
-    "MemoryEstimate": "ckptd.elastic.memory",
-    "estimate_memory": "ckptd.elastic.memory",
+    "MemoryEstimate": "ckptd.elastic.gpu_memory",
+    "estimate_memory": "ckptd.elastic.gpu_memory",
     "NoFeasiblePlan": "ckptd.elastic.search",
     "Plan": "ckptd.elastic.search",
     "replan": "ckptd.elastic.search",
@@ -82,6 +82,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ckptd.elastic.gpu_memory import MemoryEstimate, estimate_memory
     from ckptd.elastic.history import (
         EXIT_RESTART,
         ElasticPolicy,
@@ -91,7 +92,6 @@ if TYPE_CHECKING:
         scale_up_wait_s,
     )
     from ckptd.elastic.incarnation import resume
-    from ckptd.elastic.memory import MemoryEstimate, estimate_memory
     from ckptd.elastic.run import ElasticRun, exit_now
     from ckptd.elastic.search import NoFeasiblePlan, Plan, replan
     from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec

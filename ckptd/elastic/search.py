@@ -6,7 +6,7 @@ stays inside a tolerance band around the previous one and the per-GPU memory est
 budget. It is a pure function of its arguments: no I/O, no torch, no global state.
 
 The settings are :mod:`ckptd.elastic.specs`, the per-GPU memory model (its terms, defaults and
-``state_gib``/``total_gib``) is :mod:`ckptd.elastic.memory`; both are re-exported here. The
+``state_gib``/``total_gib``) is :mod:`ckptd.elastic.gpu_memory`; both are re-exported here. The
 search and its tie-breaks are described in :func:`replan` and in ``docs/elastic_replan.md``.
 """
 
@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 
-from ckptd.elastic.memory import (
+from ckptd.elastic.gpu_memory import (
     ACTIVATION_CONSTANT,
     GRAD_BYTES,
     OPTIM_BYTES,

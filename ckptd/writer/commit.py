@@ -33,7 +33,7 @@ from ckptd.manifest.envelope import PREFIX_BYTES, committed_attempt, open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.writer import exiting
-from ckptd.writer.signals import Signals
+from ckptd.writer.group_store import GroupStore
 
 log = logging.getLogger("ckptd")
 
@@ -94,7 +94,7 @@ def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
 # ----------------------------------------------------------------------------- failures
 def record_failure(
     storage: Storage,
-    signals: Signals,
+    signals: GroupStore,
     step: int,
     attempt: str,
     rank: int,
@@ -122,7 +122,7 @@ def record_failure(
         log.warning("ckptd: could not record the failure of step %d at %s: %s", step, path, e)
 
 
-def publish_recorded(storage: Storage, signals: Signals, step: int, attempt: str, rank: int,
+def publish_recorded(storage: Storage, signals: GroupStore, step: int, attempt: str, rank: int,
                      error: BaseException) -> None:
     """The node agent failed this rank's job and recorded why on storage: tell the process
     group's store the same (the other ranks learn it at once, as when this process fails a save
@@ -162,7 +162,7 @@ def _read_record(storage: Storage, path: str) -> tuple[str, str] | None:
 
 
 def _failure(
-    storage: Storage, step: int, attempt: str, signals: Signals, names: list[str] | None = None
+    storage: Storage, step: int, attempt: str, signals: GroupStore, names: list[str] | None = None
 ) -> CkptdError | None:
     """The attempt's failure, if any rank published one: the store first, then storage (the
     FAILED marker, or with ``names`` — the coordinator's listing — a rank's record)."""
@@ -178,7 +178,7 @@ def _failure(
     return None if found is None else _not_committed(step, *found)
 
 
-def attempt_failed(storage: Storage, step: int, attempt: str, signals: Signals) -> bool:
+def attempt_failed(storage: Storage, step: int, attempt: str, signals: GroupStore) -> bool:
     """Whether ``attempt`` failed for good: a rank published its failure, or the coordinator's
     FAILED marker or a rank's record is in place (no commit, ``ckptd finalize`` included, can
     use its files any more). Never raises: False when it cannot tell."""
@@ -266,7 +266,7 @@ def coordinate(
     *,
     generation: int = 0,
     overwrite: bool = False,
-    signals: Signals | None = None,
+    signals: GroupStore | None = None,
     give_up: Callable[[list[int]], str | None] | None = None,
     timeout_s: float | None = None,
 ) -> None:
@@ -275,7 +275,7 @@ def coordinate(
     their shares cannot come (the node agent's: :mod:`ckptd.agent.orphans`). On failure, leave
     a FAILED marker (so the other ranks stop waiting) and raise; ``latest`` is untouched.
     ``timeout_s``: how long to wait for the partials (default ``commit_timeout_s``)."""
-    signals = signals or Signals(None)
+    signals = signals or GroupStore(None)
     committed = False
     timeout_s = config.get().commit_timeout_s if timeout_s is None else timeout_s
     try:
@@ -315,10 +315,10 @@ def coordinate(
 
 
 def wait_committed(
-    storage: Storage, step: int, attempt: str, signals: Signals | None = None
+    storage: Storage, step: int, attempt: str, signals: GroupStore | None = None
 ) -> None:
     """Block until the coordinator committed ``attempt`` (or raise its reason)."""
-    signals = signals or Signals(None)
+    signals = signals or GroupStore(None)
     poller = Poller(storage, config.get().commit_timeout_s)
     path = layout.manifest_path(step)
     while True:

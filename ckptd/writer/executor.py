@@ -23,9 +23,9 @@ from ckptd.storage import Storage
 from ckptd.writer import retention
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.files import ChunkList
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import SaveJob, run
 from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
-from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
 
@@ -70,7 +70,7 @@ class Executor(Protocol):
         """Arenas it may hold besides the one being staged (``reserve()`` allocates them)."""
 
     @property
-    def signals(self) -> Signals:
+    def signals(self) -> GroupStore:
         """How this rank's failures and commits reach the other ranks at once."""
 
     @property
@@ -94,7 +94,7 @@ class Executor(Protocol):
     def finish(self, pending: Pending) -> Outcome:
         """Carry the job to its end; raises its failure (recorded and cleaned up already)."""
 
-    def committed(self, rank: int, step: int) -> None:
+    def saw_commit(self, rank: int, step: int) -> None:
         """This rank saw its ``step`` commit (a rank other than 0)."""
 
     def settle(self) -> None:
@@ -111,7 +111,7 @@ class InProcess:
     hands_off = False
     alive = True
 
-    def __init__(self, storage: Storage, io: Threads, signals: Signals, slots: int,
+    def __init__(self, storage: Storage, io: Threads, signals: GroupStore, slots: int,
                  auto: AutoCodec | None = None, pool: StagingPool | None = None) -> None:
         self.storage, self.io, self.signals, self.auto = storage, io, signals, auto
         self._pool = pool if pool is not None else StagingPool(slots)
@@ -175,7 +175,7 @@ class InProcess:
             [(s.piece.tensor, s.offset, s.nbytes) for p in pending.job.round.plans
              for s in p.slots], pending.arena.tensor)
 
-    def committed(self, rank: int, step: int) -> None:
+    def saw_commit(self, rank: int, step: int) -> None:
         pass
 
     def settle(self) -> None:

@@ -31,8 +31,8 @@ from ckptd.errors import CkptdError
 from ckptd.storage import Storage
 from ckptd.writer import commit, retention
 from ckptd.writer.files import ChunkList, Framing, gather
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.pipeline import RankWriter, Round, Share, discard_share, stored_bytes
-from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Commit:
+class CommitParams:
     """What the commit needs besides the partials."""
 
     run_id: str
@@ -60,7 +60,7 @@ class SaveJob:
     codec: str
     level: int
     framing: Framing
-    commit: Commit
+    commit: CommitParams
     nfiles: int | None = None  # files in all (a save over the host budget: several rounds)
 
     @property
@@ -89,7 +89,7 @@ class Written:
 
 
 def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
-        signals: Signals, owed: retention.Owed | None = None,
+        signals: GroupStore, owed: retention.Owed | None = None,
         give_up: Callable[[list[int]], str | None] | None = None,
         gate: Callable[[int], None] | None = None,
         written: dict[int, ChunkList] | None = None,
@@ -127,7 +127,7 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
     return Written(stored_bytes(chunks) if chunks else 0, write_s, chunks or [])
 
 
-def _write(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, signals: Signals,
+def _write(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, signals: GroupStore,
            gate: Callable[[int], None] | None, written: dict[int, ChunkList] | None,
            started: list[Future[ChunkList]] | None, chunks: ChunkList | None) -> ChunkList:
     """The files (unless ``chunks``) and the partial; a failure recorded and cleaned up."""
@@ -166,4 +166,4 @@ def discard(storage: Storage, job: SaveJob, *, partial: bool = False) -> None:
     discard_share(storage, job.share, job.files, partial=partial)
 
 
-__all__ = ["Commit", "Interrupted", "SaveJob", "Written", "discard", "run"]
+__all__ = ["CommitParams", "Interrupted", "SaveJob", "Written", "discard", "run"]

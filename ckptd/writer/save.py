@@ -18,7 +18,7 @@ budget is staged and written round by round, which makes the caller wait until i
 
 Everything after staging runs on a single save thread per Saver, so saves of one rank commit
 in order. No collectives happen here: a rank's failure reaches the others through storage and
-the process group's store (:mod:`.signals`).
+the process group's store (:mod:`.group_store`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from ckptd.writer import commit, exiting
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import Executor, InProcess, Pending
 from ckptd.writer.files import Framing
+from ckptd.writer.group_store import GroupStore
 from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
-from ckptd.writer.job import Commit, SaveJob, discard
+from ckptd.writer.job import CommitParams, SaveJob, discard
 from ckptd.writer.pipeline import Round, Share, check_unmodified, n_files, plan_rounds, stage
-from ckptd.writer.signals import Signals
 from ckptd.writer.staging import Arena, StagingPool
 
 log = logging.getLogger("ckptd")
@@ -92,7 +92,7 @@ class Saver:
     (rank 0) claims the root when the Saver is created: a job still writing under the previous
     owner fails its next commit."""
 
-    def __init__(self, storage: Storage, options: SaveOptions, signals: Signals,
+    def __init__(self, storage: Storage, options: SaveOptions, signals: GroupStore,
                  executor: Executor, auto: AutoCodec | None = None) -> None:
         """``executor``: what runs each save's background half (:mod:`.executor`): this
         process's I/O threads, or the node agent. ``auto``: with ``compression="auto"``, the
@@ -190,7 +190,7 @@ class Saver:
     def _job(self, share: Share, rounds: list[Round], codec: str, overwrite: bool) -> SaveJob:
         opts = self.options
         return SaveJob(share, rounds[0], codec, self.level, Framing.current(),
-                       Commit(opts.run_id, self.generation, overwrite, opts.keep_last,
+                       CommitParams(opts.run_id, self.generation, overwrite, opts.keep_last,
                               opts.incarnation, config.get().commit_timeout_s),
                        nfiles=n_files(rounds))
 
@@ -301,7 +301,7 @@ class Saver:
             if commit.attempt_failed(self.storage, share.step, share.attempt, self.signals):
                 discard(self.storage, save.job, partial=True)
             raise
-        self.executor.committed(share.rank, share.step)
+        self.executor.saw_commit(share.rank, share.step)
 
     def _record(self, r: SaveResult) -> None:
         line = {"step": r.step, "rank": self.options.rank,

@@ -22,12 +22,12 @@ from typing import Any
 log = logging.getLogger("ckptd")
 
 
-class Signals:
+class GroupStore:
     def __init__(self, store: Any | None) -> None:
         self._store = store
 
     @classmethod
-    def from_process_group(cls) -> Signals:
+    def from_process_group(cls) -> GroupStore:
         """The default process group's store, or an inert channel."""
         try:
             import torch.distributed as dist

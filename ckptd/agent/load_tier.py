@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckptd.agent.client import AgentClient
-from ckptd.agent.peer_link import PeerReads, job_secret
+from ckptd.agent.peer_wire import PeerReads, job_secret
 from ckptd.errors import CkptdError
 from ckptd.storage import Storage
-from ckptd.storage.memory_tier import MemoryTier, Remote
+from ckptd.storage.tiered import MemoryTier, Remote
 from ckptd.world import dist_or_none, gather_object
 
 log = logging.getLogger("ckptd")

@@ -1,12 +1,12 @@
-"""What a node agent keeps in memory and when it lets go (ckptd.agent.memory), in one process:
+"""What a node agent keeps in memory and when it lets go (ckptd.agent.holdings), in one process:
 the rules the multi-process tests in test_agent.py rely on, each case on its own."""
 
 import os
 
 import pytest
 
-from ckptd.agent import hostmem
-from ckptd.agent.memory import Kept, Memory, OverBudget
+from ckptd.agent import node_memory
+from ckptd.agent.holdings import HeldStep, Holdings, OverBudget
 from ckptd.agent.shm import unlink
 
 ROOT = {"url": "/job/root", "options": None}
@@ -27,7 +27,7 @@ def memory():
         asked.append(spec["url"])
         return owners.get(spec["url"])
 
-    mem = Memory(1, None, lambda owner, seg_id: given_back.append((owner, seg_id)), owner_of)
+    mem = Holdings(1, None, lambda owner, seg_id: given_back.append((owner, seg_id)), owner_of)
     mem.given_back, mem.owners, mem.asked = given_back, owners, asked
     mem.made = []  # every segment a test created: a trainer's arenas are not the memory's
     yield mem
@@ -36,15 +36,15 @@ def memory():
         unlink(seg.path)
 
 
-def _step(mem: Memory, step: int, *, owner=None, seg_id=-1, origin=None, committed=False,
-          run="run1") -> Kept:
+def _step(mem: Holdings, step: int, *, owner=None, seg_id=-1, origin=None, committed=False,
+          run="run1") -> HeldStep:
     seg = mem.create(4096, f"test{os.getpid()}")
     mem.made.append(seg)
-    return Kept(step, seg, {f"step-{step}/{run}/{origin}": (0, 4096)}, owner, seg_id,
+    return HeldStep(step, seg, {f"step-{step}/{run}/{origin}": (0, 4096)}, owner, seg_id,
                 origin=origin, committed=committed, run=run)
 
 
-def _held(mem: Memory, spec=ROOT) -> list[tuple[str, int, str | None, bool]]:
+def _held(mem: Holdings, spec=ROOT) -> list[tuple[str, int, str | None, bool]]:
     """(run, step, origin, committed) of every step of the root held, in that order."""
     files, pinned = mem.pin_files(spec)
     for k in pinned:
@@ -53,21 +53,21 @@ def _held(mem: Memory, spec=ROOT) -> list[tuple[str, int, str | None, bool]]:
                   key=lambda h: (h[0], h[1], h[2] or "", h[3]))
 
 
-def _steps(mem: Memory, spec=ROOT) -> list[int]:
+def _steps(mem: Holdings, spec=ROOT) -> list[int]:
     return sorted(step for _, step, _, _ in _held(mem, spec))
 
 
 def test_a_rank_keeps_its_newest_committed_step_and_one_written_after_it(memory):
     t = Trainer()
     memory.keep(ROOT, 1, _step(memory, 1, owner=t, seg_id=0))
-    assert memory.committed(ROOT, 1, 1, t)[1] == []
+    assert memory.commit_seen(ROOT, 1, 1, t)[1] == []
     memory.keep(ROOT, 1, _step(memory, 2, owner=t, seg_id=1))  # its commit not heard of yet
     assert _held(memory) == [("run1", 1, None, True), ("run1", 2, None, False)]
     # a third step written before step 2's commit is heard of: step 2 goes back to its trainer
     assert memory.keep(ROOT, 1, _step(memory, 3, owner=t, seg_id=2)) == [1]
     assert _held(memory) == [("run1", 1, None, True), ("run1", 3, None, False)]
     # step 3 commits: step 1's arena is free again
-    kept, released = memory.committed(ROOT, 1, 3, t)
+    kept, released = memory.commit_seen(ROOT, 1, 3, t)
     assert kept is not None and kept.step == 3 and released == [0]
 
 
@@ -101,7 +101,7 @@ def test_a_new_owner_s_steps_replace_an_earlier_run_s_once_it_commits_whatever_t
     assert _steps(memory) == [301, 500, 500]
     t = Trainer()
     memory.keep(ROOT, 1, _step(memory, 301, owner=t, seg_id=0, run="run2"))
-    assert memory.committed(ROOT, 1, 301, t)[0] is not None  # run2's first commit heard of
+    assert memory.commit_seen(ROOT, 1, 301, t)[0] is not None  # run2's first commit heard of
     assert _held(memory) == [("run2", 301, None, False), ("run2", 301, None, True)]
     # a copy of run1's step that arrives late is dropped at once
     asked = len(memory.asked)
@@ -123,7 +123,7 @@ def test_the_commit_of_a_step_number_two_runs_saved_marks_the_newer_one(memory):
     memory.keep(ROOT, 1, _step(memory, 5, committed=True, run="run1"))
     memory.owners[ROOT["url"]] = "run2"
     memory.keep(ROOT, 1, _step(memory, 5, owner=t, seg_id=0, run="run2"))
-    kept, _ = memory.committed(ROOT, 1, 5, t)
+    kept, _ = memory.commit_seen(ROOT, 1, 5, t)
     assert kept is not None and kept.run == "run2"
     assert _held(memory) == [("run2", 5, None, True)]
 
@@ -175,7 +175,7 @@ def test_the_owner_is_read_from_owner_json_and_an_unreadable_one_is_said_once(tm
         (tmp_path / "root" / "owner.json").write_text('{"run": "run7", "generation": 2}')
         assert agent._owner_of(spec) == "run7"
     finally:
-        agent.memory.close()
+        agent.holdings.close()
 
 
 def test_a_segment_must_leave_the_node_its_reserve_once_the_orphans_are_dropped(monkeypatch):
@@ -184,7 +184,7 @@ def test_a_segment_must_leave_the_node_its_reserve_once_the_orphans_are_dropped(
     trainers that are gone are dropped (their memory counts as free again)."""
     monkeypatch.setenv("CKPTD_AGENT_MEM_RESERVE", "1MiB")
     node = {"left": 64 << 20}
-    mem = Memory(1, None, lambda owner, seg_id: None, host=lambda: (1 << 30, node["left"]))
+    mem = Holdings(1, None, lambda owner, seg_id: None, host=lambda: (1 << 30, node["left"]))
     mem.made = []
     try:
         assert mem.reserve == 1 << 20
@@ -217,15 +217,15 @@ def test_the_memory_left_is_the_host_s_or_its_cgroup_s_whichever_is_less(tmp_pat
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     (v1 / "memory.usage_in_bytes").write_text("5\n")
     (v1 / "memory.stat").write_text("total_inactive_file 0\n")
-    assert hostmem.left(str(meminfo), []) == (1024000, 614400)
-    assert hostmem.left(str(meminfo), [(str(v1), hostmem._V1)]) == (1024000, 614400)
+    assert node_memory.left(str(meminfo), []) == (1024000, 614400)
+    assert node_memory.left(str(meminfo), [(str(v1), node_memory._V1)]) == (1024000, 614400)
     # the working set: 400000 in use, of which 100000 inactive page cache
-    assert hostmem.left(str(meminfo), [(str(v2), hostmem._V2)]) == (512000, 212000)
-    assert hostmem.left(str(tmp_path / "absent"), [(str(tmp_path), hostmem._V2)]) is None
+    assert node_memory.left(str(meminfo), [(str(v2), node_memory._V2)]) == (512000, 212000)
+    assert node_memory.left(str(tmp_path / "absent"), [(str(tmp_path), node_memory._V2)]) is None
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/pod/abc\n3:cpu,cpuacct:/pod\n0::/pod/abc/main\n")
-    assert hostmem._own_cgroups(str(proc), "/sys/fs/cgroup") == [
-        ("/sys/fs/cgroup/memory/pod/abc", hostmem._V1),
-        ("/sys/fs/cgroup/pod/abc/main", hostmem._V2)]
-    here = hostmem.left()  # this machine's
+    assert node_memory._own_cgroups(str(proc), "/sys/fs/cgroup") == [
+        ("/sys/fs/cgroup/memory/pod/abc", node_memory._V1),
+        ("/sys/fs/cgroup/pod/abc/main", node_memory._V2)]
+    here = node_memory.left()  # this machine's
     assert here is not None and 0 < here[1] <= here[0]

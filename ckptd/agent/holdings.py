@@ -7,7 +7,7 @@ steps whose commit it has not seen yet (rank 0's agent commits itself; the other
 their trainer, which waits for the commit anyway): a node lost while a save is in flight leaves
 that step uncommitted, and the restart loads the committed one — from memory. Peer copies
 alike: one sent before its step committed (``CKPTD_PEER_COPY=staged``) counts as uncommitted
-until its sender's notice (one more of them than of its own steps: see :meth:`Memory._trim`).
+until its sender's notice (one more of them than of its own steps: see :meth:`Holdings._trim`).
 An older step is dropped once a newer one is known committed: given back to its trainer (the
 arena is staged into again) or, if the trainer is gone, removed. A step that is still being sent
 to a peer, or read by a load, is given back only once the copy is sent and the load done.
@@ -21,7 +21,7 @@ numbers. Until the owner has committed that many, nothing is dropped this way (a
 need an earlier run's step).
 
 The budget counts every segment the agent created and has not removed; beside it, a new segment
-must leave the node (or its container) a reserve of free memory (:mod:`ckptd.agent.hostmem`),
+must leave the node (or its container) a reserve of free memory (:mod:`ckptd.agent.node_memory`),
 which the trainers' own memory also draws on. An arena over either is refused after the orphaned
 steps (their trainers gone) are dropped; a peer copy over either is skipped. ``docs/agent.md``
 gives the multiplier: per rank ``max_inflight + keep_in_memory`` arenas (one more while a peer
@@ -36,12 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptd.agent import hostmem
+from ckptd.agent import node_memory
 from ckptd.agent.shm import Segment, shm_space, unlink
 from ckptd.errors import CkptdError
 
 if TYPE_CHECKING:
-    from ckptd.agent.peers import Outgoing
+    from ckptd.agent.replication import Outgoing
 
 
 class OverBudget(CkptdError, MemoryError):
@@ -49,7 +49,7 @@ class OverBudget(CkptdError, MemoryError):
 
 
 @dataclass(eq=False)
-class Kept:
+class HeldStep:
     step: int
     segment: Segment
     files: dict[str, tuple[int, int]]  # path -> [start, end) in the segment
@@ -68,26 +68,26 @@ def root_key(spec: dict[str, Any]) -> str:
     return json.dumps(spec, sort_keys=True)
 
 
-class Memory:
+class Holdings:
     def __init__(self, keep: int, budget: int | None,
                  give_back: Callable[[Any, int], None],
                  owner_of: Callable[[dict[str, Any]], str | None] = lambda spec: None,
-                 host: Callable[[], tuple[int, int] | None] = hostmem.left,
+                 host: Callable[[], tuple[int, int] | None] = node_memory.left,
                  shm: Callable[[], tuple[int, int] | None] = shm_space) -> None:
         """``give_back(owner, seg_id)``: tell a live session that its arena is free again;
         ``owner_of(spec)``: the run that owns the root now (None: unknown), asked when a step of
         another run than the owner last learnt arrives or commits; ``host()``: the node's
-        memory, total and left (:func:`ckptd.agent.hostmem.left`), of which a new segment must
+        memory, total and left (:func:`ckptd.agent.node_memory.left`), of which a new segment must
         leave the reserve (``CKPTD_AGENT_MEM_RESERVE``)."""
         self.keep_n, self.budget, self._give_back, self._owner_of = (keep, budget, give_back,
                                                                      owner_of)
         self._host, self._shm = host, shm
         known = host()
-        self.reserve = hostmem.reserve(known[0]) if known is not None else 0
+        self.reserve = node_memory.reserve(known[0]) if known is not None else 0
         space = shm()
-        self.shm_reserve = hostmem.shm_reserve(space[0]) if space is not None else 0
+        self.shm_reserve = node_memory.shm_reserve(space[0]) if space is not None else 0
         self.used = 0
-        self._kept: dict[tuple[str, int], list[Kept]] = {}  # (root, rank) -> newest last
+        self._kept: dict[tuple[str, int], list[HeldStep]] = {}  # (root, rank) -> newest last
         self._owner: dict[str, str] = {}  # root -> the run that owns it, as last learnt
         self._lock = threading.Lock()
 
@@ -145,7 +145,7 @@ class Memory:
         return freed
 
     # ------------------------------------------------------------------ kept steps
-    def keep(self, spec: dict[str, Any], rank: int, kept: Kept) -> list[int]:
+    def keep(self, spec: dict[str, Any], rank: int, kept: HeldStep) -> list[int]:
         """Keep ``kept`` as the newest step of ``rank``; the arenas of ``kept.owner`` that are
         free again at once."""
         root = root_key(spec)
@@ -175,8 +175,8 @@ class Memory:
             else:
                 self._owner[root] = owner
 
-    def committed(self, spec: dict[str, Any], rank: int, step: int,
-                  caller: Any) -> tuple[Kept | None, list[int]]:
+    def commit_seen(self, spec: dict[str, Any], rank: int, step: int,
+                  caller: Any) -> tuple[HeldStep | None, list[int]]:
         """``rank``'s ``step`` committed: the kept step (None if not held) and the arenas of
         ``caller`` that are free again (older steps dropped)."""
         found, dropped = self._mark_committed(spec, rank, step, None, once=True)
@@ -194,7 +194,7 @@ class Memory:
         return found is not None
 
     def _mark_committed(self, spec: dict[str, Any], rank: int, step: int, origin: str | None,
-                        once: bool) -> tuple[Kept | None, list[Kept]]:
+                        once: bool) -> tuple[HeldStep | None, list[HeldStep]]:
         """Mark the newest kept ``step`` of ``rank`` from ``origin`` committed (an older run's
         step of that number comes first) and drop what that makes older; (None, []) if not held
         (or, ``once``, already marked)."""
@@ -210,7 +210,7 @@ class Memory:
         with self._lock:
             return found, self._floor(root) + self._trim(steps)
 
-    def _trim(self, steps: list[Kept]) -> list[Kept]:
+    def _trim(self, steps: list[HeldStep]) -> list[HeldStep]:
         """Drop from one rank's ``steps`` (oldest first) all but the newest ``keep_n`` committed
         steps and the newest unconfirmed steps after them: ``keep_n`` of its own (its trainer's
         arenas), one more of a peer's copies (a sender with ``max_inflight=2`` sends the next
@@ -222,7 +222,7 @@ class Memory:
         pending += [k for k in later if k.origin is None][-self.keep_n:]
         return self._drop(steps, [k for k in steps if k not in done and k not in pending])
 
-    def _floor(self, root: str) -> list[Kept]:
+    def _floor(self, root: str) -> list[HeldStep]:
         """Once the root's owner has committed ``keep_n`` steps held here: drop every step of
         any rank that is older (an earlier run's, or the owner's before them); returns the
         dropped ones."""
@@ -236,13 +236,13 @@ class Memory:
                 for k in self._drop(ks, [k for k in ks if k.run != owner or k.step < floor])]
 
     @staticmethod
-    def _drop(steps: list[Kept], old: list[Kept]) -> list[Kept]:
+    def _drop(steps: list[HeldStep], old: list[HeldStep]) -> list[HeldStep]:
         steps[:] = [k for k in steps if k not in old]
         for k in old:
             k.dropped = True
         return old
 
-    def _release(self, k: Kept, caller: Any | None = None) -> bool:
+    def _release(self, k: HeldStep, caller: Any | None = None) -> bool:
         """A dropped step's arena: True if it goes back to ``caller`` (the reply says so)."""
         if k.pins:
             return False  # once the copy is sent, the load done
@@ -254,7 +254,7 @@ class Memory:
         self._give_back(k.owner, k.seg_id)
         return False
 
-    def pin(self, k: Kept, delta: int) -> None:
+    def pin(self, k: HeldStep, delta: int) -> None:
         """Hold (+1) or let go of (-1) a kept step: a pinned step is not given back to its
         trainer or removed (a peer copy is being sent from it, a load is reading it)."""
         with self._lock:
@@ -263,7 +263,7 @@ class Memory:
         if done:
             self._release(k)
 
-    def pin_files(self, spec: dict[str, Any]) -> tuple[list[list[Any]], list[Kept]]:
+    def pin_files(self, spec: dict[str, Any]) -> tuple[list[list[Any]], list[HeldStep]]:
         """``[path, segment, start, end, origin]`` of every data file of the root held in
         memory (``origin``: the node a peer copy is of, or None), with every step they come
         from pinned (the caller unpins them)."""
@@ -276,7 +276,7 @@ class Memory:
                      for path, (a, b) in k.files.items()]
         return files, kept
 
-    def lookup(self, spec: dict[str, Any], path: str) -> tuple[Kept, memoryview] | None:
+    def lookup(self, spec: dict[str, Any], path: str) -> tuple[HeldStep, memoryview] | None:
         """One data file of the root held in memory, pinned (the caller unpins it); None if
         memory does not hold it (any more)."""
         root = root_key(spec)
@@ -289,7 +289,7 @@ class Memory:
                         return k, k.segment.view()[a:b]
         return None
 
-    def held_copy(self, spec: dict[str, Any], origin: str, rank: int, step: int) -> Kept | None:
+    def held_copy(self, spec: dict[str, Any], origin: str, rank: int, step: int) -> HeldStep | None:
         """The peer copy of ``origin``'s ``rank`` ``step`` held here, pinned (the caller
         unpins it); None if not held (any more)."""
         with self._lock:
@@ -339,4 +339,4 @@ class Memory:
             self._kept.clear()
 
 
-__all__ = ["Kept", "Memory", "OverBudget", "root_key"]
+__all__ = ["HeldStep", "Holdings", "OverBudget", "root_key"]

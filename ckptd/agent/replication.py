@@ -1,7 +1,7 @@
 """Peer copies: each agent sends its node's newest steps to ``k`` other agents of the same job, so
 that a node lost with its memory is read from a peer's memory, not from storage.
 
-* **Who**: agents of one job, through :mod:`ckptd.agent.peer_link` (the job secret's challenge;
+* **Who**: agents of one job, through :mod:`ckptd.agent.peer_wire` (the job secret's challenge;
   it also serves what the peers send and read).
 * **Where**: an agent that serves a root registers itself at ``_agents/<node>.json`` under that
   root (host, port), and sends to the ``k`` nodes after its own in the sorted list of registered
@@ -18,7 +18,7 @@ that a node lost with its memory is read from a peer's memory, not from storage.
   which writes it (files, partial, on rank 0 the commit) as if its own trainer had staged it
   (:meth:`Replicator.hand_off`, ``docs/agent.md``). A save it was writing already, whose staged
   copy a peer holds, it stops between two blocks and asks that peer to write from the copy
-  (:meth:`ckptd.agent.peering.Peering.write_held`: only the job travels).
+  (:meth:`ckptd.agent.peer_service.PeerService.write_held`: only the job travels).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import xxhash
 
 from ckptd import config
 from ckptd.agent import wire
-from ckptd.agent.peer_link import NoAnswer, answer_challenge, answer_to, ask
+from ckptd.agent.peer_wire import NoAnswer, answer_challenge, answer_to, ask
 from ckptd.errors import CkptdError
 from ckptd.storage import Storage
 

@@ -1,7 +1,7 @@
 """The wire between the node agents of one job: who may talk (the job secret and its challenge)
 and the serving side (:class:`PeerServer`: peer copies, hand-offs, range reads, questions about
 shares) with the loaders' side of range reads (:class:`PeerReads`). What is sent, to whom and
-when is :mod:`ckptd.agent.peers`.
+when is :mod:`ckptd.agent.replication`.
 
 * **Whole**: what a peer sends (a copy, a hand-off) is followed by its xxh3 digest; the
   receiver keeps it, or writes it, only if what arrived has the same (a hand-off is written

@@ -1,7 +1,7 @@
 """A node agent's side of the job's other agents: the copies it sends (when a step is staged
 or committed, ``CKPTD_PEER_COPY``), the copies, hand-offs and commit notices it receives, and the
 hand-off of a save it cannot write inside its grace window. The wire is
-:mod:`ckptd.agent.peer_link`, the sending :mod:`ckptd.agent.peers`; ``docs/agent.md``, *Peer
+:mod:`ckptd.agent.peer_wire`, the sending :mod:`ckptd.agent.replication`; ``docs/agent.md``, *Peer
 copies*."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from ckptd import config
 from ckptd.agent import handoff, jobs
 from ckptd.agent.core import AgentCore
-from ckptd.agent.memory import Kept, OverBudget
+from ckptd.agent.holdings import HeldStep, OverBudget
 from ckptd.agent.orphans import JobKey
-from ckptd.agent.peer_link import NoAnswer, PeerServer, ask, job_secret
-from ckptd.agent.peers import (
+from ckptd.agent.peer_wire import NoAnswer, PeerServer, ask, job_secret
+from ckptd.agent.replication import (
     NOTICE_TIMEOUT_S,
     Notice,
     Outgoing,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.agent")
 
 
-class Peering:
+class PeerService:
     """Everything of one agent that talks to other agents; inert without ``CKPTD_JOB_SECRET``
     (no server, no replicator)."""
 
@@ -77,7 +77,7 @@ class Peering:
     def _room_for(self, header: dict[str, Any], total: int, what: str) -> Segment | None:
         """A segment for what a peer sends (a copy, a hand-off); None over the budget."""
         try:
-            return self.agent.memory.create(max(total, 1), self.agent.tag(what))
+            return self.agent.holdings.create(max(total, 1), self.agent.tag(what))
         except (OverBudget, OSError) as e:
             log.warning("ckptd agent: no room for node %s's rank %s step %s (%s): %s",
                         header.get("origin"), header.get("rank"), header.get("step"), what, e)
@@ -93,7 +93,7 @@ class Peering:
             if ok:
                 self._peer_stored(header, seg)
             else:
-                self.agent.memory.forget(seg)
+                self.agent.holdings.forget(seg)
 
         return seg.view()[:total], finish
 
@@ -110,10 +110,10 @@ class Peering:
 
         def finish(ok: bool) -> None:
             if not ok:
-                self.agent.memory.forget(seg)
+                self.agent.holdings.forget(seg)
                 self.agent.job_ended(job)
                 return
-            self._write_handed(header, seg.tensor, job, lambda _: self.agent.memory.forget(seg))
+            self._write_handed(header, seg.tensor, job, lambda _: self.agent.holdings.forget(seg))
 
         return seg.view()[:total], finish
 
@@ -126,7 +126,7 @@ class Peering:
         if self.agent.stopping.is_set():
             return {"ok": False, "error": "stopping too"}
         spec = header["spec"]
-        kept = self.agent.memory.held_copy(spec, str(header["origin"]), int(header["rank"]),
+        kept = self.agent.holdings.held_copy(spec, str(header["origin"]), int(header["rank"]),
                                            int(header["step"]))
         if kept is None:
             return {"ok": False, "error": f"holds no copy of {what}"}
@@ -136,15 +136,15 @@ class Peering:
                 raise CkptdError("its files are not those of the copy held")
             key = JobKey.of(spec, header["job"])
         except (CkptdError, KeyError, ValueError, TypeError) as e:
-            self.agent.memory.pin(kept, -1)
+            self.agent.holdings.pin(kept, -1)
             log.warning("ckptd agent: refused to write %s from its copy: %s", what, e)
             return {"ok": False, "error": f"{what}: {e}"}
         self.agent.job_started(key)  # before the answer: the sender's job ends after it
 
         def done(ok: bool) -> None:
             if ok and job.share.rank == 0:  # this agent committed it
-                self.agent.memory.peer_committed(spec, str(header["origin"]), 0, job.share.step)
-            self.agent.memory.pin(kept, -1)
+                self.agent.holdings.peer_committed(spec, str(header["origin"]), 0, job.share.step)
+            self.agent.holdings.pin(kept, -1)
 
         self._write_handed(header, kept.segment.tensor, key, done)
         return {"ok": True}
@@ -199,11 +199,11 @@ class Peering:
 
     def _peer_lookup(self, spec: dict[str, Any],
                      path: str) -> tuple[memoryview, Callable[[], None]] | None:
-        found = self.agent.memory.lookup(spec, path)
+        found = self.agent.holdings.lookup(spec, path)
         if found is None:
             return None
         kept, mem = found
-        return mem, lambda: self.agent.memory.pin(kept, -1)
+        return mem, lambda: self.agent.holdings.pin(kept, -1)
 
     def _peer_stored(self, header: dict[str, Any], seg: Segment) -> None:
         files, at = {}, 0
@@ -211,9 +211,9 @@ class Peering:
             files[str(path)] = (at, at + int(n))
             at += int(n)
         committed = bool(header.get("committed", True))
-        kept = Kept(int(header["step"]), seg, files, None, -1, origin=str(header["origin"]),
+        kept = HeldStep(int(header["step"]), seg, files, None, -1, origin=str(header["origin"]),
                     committed=committed, run=str(header.get("run", "")))
-        released = self.agent.memory.keep(header["spec"], int(header["rank"]), kept)
+        released = self.agent.holdings.keep(header["spec"], int(header["rank"]), kept)
         assert not released
         log.info("ckptd agent: %s node %s's rank %s step %s (%d bytes%s)",
                  "dropped (older than a step committed since)" if kept.dropped else "holds",
@@ -221,13 +221,13 @@ class Peering:
                  "" if committed else ", not committed yet")
 
     def _peer_notice(self, header: dict[str, Any]) -> dict[str, Any]:
-        if self.agent.memory.peer_committed(header["spec"], str(header["origin"]),
+        if self.agent.holdings.peer_committed(header["spec"], str(header["origin"]),
                                             int(header["rank"]), int(header["step"])):
             return {"ok": True}
         return {"ok": False, "error": f"holds no copy of rank {header['rank']} step "
                                       f"{header['step']} (any more)"}
 
-    def replicate_staged(self, spec: dict[str, Any], rank: int, kept: Kept) -> Outgoing | None:
+    def replicate_staged(self, spec: dict[str, Any], rank: int, kept: HeldStep) -> Outgoing | None:
         """With ``CKPTD_PEER_COPY=staged``: send a step to the peers as soon as it is staged,
         while it is being written (the copy, None if not sent this way). The arena stays
         pinned until the copy is sent; if the save fails, :meth:`Outgoing.abandon` before the
@@ -236,7 +236,7 @@ class Peering:
             return None
         return self._send_copy(spec, rank, kept, committed=False)
 
-    def step_committed(self, spec: dict[str, Any], rank: int, kept: Kept) -> None:
+    def step_committed(self, spec: dict[str, Any], rank: int, kept: HeldStep) -> None:
         """``rank``'s kept step committed: send it to the peers now, or, if it was sent while
         being written, tell them it committed."""
         if kept.copy is None:
@@ -244,7 +244,7 @@ class Peering:
         elif not kept.copy.committed and self.replicator is not None:
             self.replicator.submit(Notice(kept.copy))
 
-    def _send_copy(self, spec: dict[str, Any], rank: int, kept: Kept,
+    def _send_copy(self, spec: dict[str, Any], rank: int, kept: HeldStep,
                    committed: bool) -> Outgoing | None:
         rep = self.replicator
         if rep is None:
@@ -252,14 +252,14 @@ class Peering:
         storage = self.agent.storage(spec)
         rep.register(storage)
         mem = kept.segment.view()
-        self.agent.memory.pin(kept, +1)
+        self.agent.holdings.pin(kept, +1)
         out = Outgoing(spec, storage, rank, kept.step,
                        {p: mem[a:b] for p, (a, b) in kept.files.items()},
-                       lambda: self.agent.memory.pin(kept, -1), committed=committed,
+                       lambda: self.agent.holdings.pin(kept, -1), committed=committed,
                        run=kept.run)
         kept.copy = out
         rep.submit(out)
         return out
 
 
-__all__ = ["Peering"]
+__all__ = ["PeerService"]
