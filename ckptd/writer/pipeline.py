@@ -164,7 +164,7 @@ class RankWriter:
         self, storage: Storage, io: Executor, pool: StagingPool, codec: str, level: int,
         gate: Callable[[int], None] | None = None,
     ) -> None:
-        """``gate(nbytes)``: the node agent's pace and stop (:class:`ckptd.writer.remote.Gate`),
+        """``gate(nbytes)``: the node agent's pace and stop (:class:`ckptd.agent.gate.Gate`),
         called in the I/O thread before each file (with 0) and before each block the storage
         writes of it (``Storage.write_file``'s gate); what it raises fails that file."""
         self.storage = storage
