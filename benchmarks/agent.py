@@ -187,10 +187,9 @@ def _saves(rank: int, world: int, root: str, size: int, saves: int, agent: bool,
 
 
 def _time_staging_copies() -> list[float]:
-    """Wrap the staging copy (``ckptd.writer.pipeline.stage``, where the in-process save and
-    the hand-over to the agent call it, in the caller's thread) to add its seconds to the
-    returned cell: the stall is that copy plus the rest (describe, plan, the job's hand-over)."""
-    from ckptd.writer import handover
+    """Wrap the staging copy (``ckptd.writer.pipeline.stage``, where the Saver calls it in the
+    caller's thread, for both executors) to add its seconds to the returned cell: the stall is
+    that copy plus the rest (describe, plan, the job's hand-over)."""
     from ckptd.writer import save as save_mod
 
     cell = [0.0]
@@ -204,8 +203,7 @@ def _time_staging_copies() -> list[float]:
                 cell[0] += time.perf_counter() - t0
         return run
 
-    for module in (handover, save_mod):
-        module.stage = timed(module.stage)  # type: ignore[attr-defined]
+    save_mod.stage = timed(save_mod.stage)  # type: ignore[attr-defined]
     return cell
 
 

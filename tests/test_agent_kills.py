@@ -124,6 +124,13 @@ class Trial:
             s for what, s in self.said[1] if what == "committed" and s is not None}
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it died meanwhile (a trainer killed it): the fault came all the same
+
+
 def _agent_pid(agents) -> int | None:
     return wire.lock_pid(agents.paths["lock"])
 
@@ -138,6 +145,7 @@ def test_random_kills_of_the_agent_and_the_trainers_lose_nothing(tmp_path, agent
     plan = [k for k in KINDS for _ in range(7)][:34]  # 34 trials
     rng.shuffle(plan)
     step = 0
+    gone = 0  # trials whose agent was gone at the kill point already
     told: set[int] = set()
     for i, kind in enumerate(plan):
         big = kind == "agent-at-file"
@@ -161,30 +169,34 @@ def test_random_kills_of_the_agent_and_the_trainers_lose_nothing(tmp_path, agent
                 at = rng.choice(steps)
                 trial.until("staged", at)
                 pid = _agent_pid(agents)
-                assert pid is not None, what
+                if pid is None:  # already gone (a trainer that heard nothing for
+                    gone += 1  # CKPTD_AGENT_TIMEOUT_S on a loaded machine kills it): a fault
+                    pid = -1  # all the same, and nothing to kill
                 time.sleep(rng.uniform(0, 0.05))  # the kill point
-                if kind == "sigstop":
-                    os.kill(pid, signal.SIGSTOP)
+                if pid < 0:
+                    pass
+                elif kind == "sigstop":
+                    _signal(pid, signal.SIGSTOP)
                     time.sleep(rng.uniform(2, 12))  # how long it is stopped: the fault itself
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass  # silent past CKPTD_AGENT_TIMEOUT_S: a trainer killed it
+                    _signal(pid, signal.SIGCONT)  # (silent past the timeout: a trainer killed it)
                 else:
-                    os.kill(pid, signal.SIGKILL)
-                    if kind == "both":
-                        time.sleep(rng.uniform(0, 0.05))
-                        trial.kill()
+                    _signal(pid, signal.SIGKILL)
+                if kind == "both":
+                    time.sleep(rng.uniform(0, 0.05))
+                    trial.kill()
             else:  # agent-at-file: SIGKILL the agent once k files of a save are written
                 at = rng.choice(steps)
                 k = rng.randint(1, 2 * EIGHT_FILES)
                 trial.until("staged", at)
                 pid = _agent_pid(agents)
-                assert pid is not None, what
+                if pid is None:
+                    gone += 1
+                    pid = -1
                 manifest = os.path.join(root, layout.manifest_path(at))
                 wait_until(lambda at=at, k=k, m=manifest: _data_files(root, at) >= k
                            or os.path.exists(m), 120, f"{what}: {k} files of step {at}")
-                os.kill(pid, signal.SIGKILL)
+                if pid > 0:
+                    _signal(pid, signal.SIGKILL)
             told |= trial.finish()
         finally:
             trial.kill()
@@ -198,5 +210,6 @@ def test_random_kills_of_the_agent_and_the_trainers_lose_nothing(tmp_path, agent
         lost = told - set(_committed(root))
         assert not lost, f"{what}: steps told committed are not: {sorted(lost)}"
     assert len(told) >= 10, f"too few steps committed to mean anything: {sorted(told)}"
+    assert gone <= 4, f"{gone} of {len(plan)} trials found no agent to kill"
     for pid in (_agent_pid(agents),):
         assert pid is None or alive(pid)

@@ -57,13 +57,13 @@ class GatedStorage(LocalStorage):
         super().__init__(root)
         self.gate, self.timeout_s = gate, timeout_s
 
-    def write_file(self, path: str, parts: Iterable[Any]) -> int:
+    def write_file(self, path: str, parts: Iterable[Any], gate: Any = None) -> int:
         deadline = time.monotonic() + self.timeout_s
         while not os.path.exists(self.gate):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gate {self.gate} did not open within {self.timeout_s}s")
             time.sleep(0.01)
-        return super().write_file(path, parts)
+        return super().write_file(path, parts, gate)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
