@@ -53,8 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import ckptd  # noqa: E402
-from ckptd import config  # noqa: E402
-from ckptd.manifest import catalog  # noqa: E402
+from ckptd import catalog, config  # noqa: E402
 from ckptd.manifest import layout as L  # noqa: E402
 from ckptd.reshard.load import last_stats  # noqa: E402
 from ckptd.storage.local import LocalStorage  # noqa: E402

@@ -17,13 +17,13 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.agent.client import AgentClient
 from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for
 from ckptd.agent.load_tier import memory_tier
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, catalog, layout
+from ckptd.manifest import Manifest, layout
 from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage

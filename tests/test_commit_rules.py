@@ -17,9 +17,8 @@ import torch
 from faulty_storage import FailAfterBytes, KillAtOp
 
 import ckptd
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.errors import CkptdError, ForeignWriter, StorageError
-from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.storage.local import LocalStorage
 from ckptd.writer import commit as C

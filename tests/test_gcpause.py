@@ -8,8 +8,7 @@ import threading
 import torch
 
 import ckptd
-from ckptd import gcpause
-from ckptd.manifest import catalog
+from ckptd import catalog, gcpause
 from ckptd.reshard import committed
 from ckptd.writer import commit
 

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
-from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.manifest.envelope import seal
 from ckptd.manifest.parse import decode, whole_doc

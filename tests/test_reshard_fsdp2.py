@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import ckptd
+from ckptd import catalog
 from ckptd.cli import main
 from ckptd.hostarray import HostArray
-from ckptd.manifest import catalog
 from ckptd.regions import Box
 from ckptd.reshard import waves
 from ckptd.reshard.infer import infer_layout

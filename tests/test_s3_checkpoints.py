@@ -27,10 +27,9 @@ import torch
 from fault_proxy import FaultProxy, Request
 
 import ckptd
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, StorageError
-from ckptd.manifest import catalog
 from ckptd.manifest import layout as L
 from ckptd.storage import LocalStorage
 from ckptd.storage.base import poll_interval

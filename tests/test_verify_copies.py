@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import ckptd
-from ckptd.manifest import catalog
+from ckptd import catalog
 from ckptd.manifest import layout as L
 from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalReadSession, LocalStorage

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.agent import orphans, wire
 from ckptd.agent.core import Flight
 from ckptd.agent.gate import Gate
@@ -45,7 +45,6 @@ from ckptd.agent.session import Session
 from ckptd.agent.shm import remove_stale, unlink
 from ckptd.agent.upkeep import Upkeep, release_after_s
 from ckptd.errors import CkptdError
-from ckptd.manifest import catalog
 from ckptd.storage import Storage, open_storage
 from ckptd.writer import exiting
 

@@ -44,7 +44,7 @@ def progress(total: int | None, desc: str) -> Any:
 
 def open_ckpt(url: str, storage_options: dict[str, Any] | None) -> tuple[Storage, int, Manifest]:
     """Storage, step and decoded manifest of ``ROOT`` (its latest step) or ``ROOT/step-N``."""
-    from ckptd.manifest import catalog
+    from ckptd import catalog
 
     return catalog.open_step(url, storage_options)
 

@@ -1,7 +1,7 @@
 """``ckptd plan``, ``ckptd history`` and ``ckptd demo``: thin shells over ``ckptd.elastic``.
 
 ``plan`` and ``history`` import no torch: the planner is arithmetic, and manifests are read as
-checked JSON (``ckptd.manifest.catalog.read_doc``).
+checked JSON (``ckptd.catalog.read_doc``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptd import catalog
 from ckptd.cli.common import CKPT_HELP, Add, human, table
 from ckptd.elastic.history import ElasticPolicy, HistoryEntry, NotElastic, TrainingMeta
 from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec, infer_model
 from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import catalog, layout
+from ckptd.manifest import layout
 from ckptd.storage import Storage, open_storage
 
 

@@ -8,9 +8,10 @@ import sys
 import time
 from typing import Any
 
+from ckptd import catalog
 from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
 from ckptd.errors import CheckpointNotFound, CkptdError
-from ckptd.manifest import catalog, layout
+from ckptd.manifest import layout
 from ckptd.storage import Storage, open_storage
 
 

@@ -103,7 +103,7 @@ def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = Fa
     batch settings are re-planned for ``world`` (``mem_limit_gib``, ``max_micro_batch_size``,
     ``tolerance`` override its policy) and the ZeRO stage follows them unless ``zero`` is
     given. ``progress(total_bytes, dry_run)`` returns what is called with each rank's bytes."""
-    from ckptd.manifest.catalog import open_step
+    from ckptd.catalog import open_step
     from ckptd.reshard.infer import infer_layout
     from ckptd.reshard.layout_file import read_layout
     from ckptd.reshard.offline import Resharder

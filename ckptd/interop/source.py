@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.errors import CkptdError
-from ckptd.manifest import Manifest, catalog, layout
+from ckptd.manifest import Manifest, layout
 from ckptd.regions import Box
 from ckptd.reshard.load import load_into
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece

@@ -1,11 +1,11 @@
 """The on-disk format: the manifest's schema (``schema``), its envelope (digest, size limit,
-strict JSON: ``envelope``), frame tables (``frames``), frame codecs and checksums (``codecs``),
-merging rank partials and the coverage check (``merge``), where things live under a root
-(``layout``) and the step catalog (``catalog``).
+strict JSON: ``envelope``), reading it back (``parse``), frame tables (``frames``), frame codecs
+and checksums (``codecs``), merging rank partials and the coverage check (``merge``) and where
+things live under a root (``layout``).
 
-Nothing here imports torch (dtypes are kept by name, ``ckptd.dtypes``; a ``TensorEntry``'s
-``dtype`` imports it when asked for). Names are imported on first use, so ``ckptd ls`` reads the
-catalog without decoding a manifest.
+No I/O here: bytes in, records out (``ckptd.catalog`` reads them from storage). Nothing here
+imports torch (dtypes are kept by name, ``ckptd.dtypes``; a ``TensorEntry``'s ``dtype`` imports
+it when asked for). Names are imported on first use.
 """
 
 from __future__ import annotations

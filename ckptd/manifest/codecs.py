@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptd.storage.base import Buffer
+from ckptd.buffers import Buffer
 
 RAW = "raw"
 ZSTD = "zstd"

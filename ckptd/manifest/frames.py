@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import itertools
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import Protocol, overload
 
 import numpy as np
 import xxhash
 
 from ckptd.errors import CorruptCheckpoint
-
-if TYPE_CHECKING:
-    from ckptd.storage.base import Storage
 
 MAGIC = b"CKPTDFT1"
 HEADER = 16  # MAGIC, then the frame count as uint64
@@ -190,42 +186,13 @@ def check_sizes(table: FrameTable, length: int, frame_bytes: int, raw: bool) -> 
     return None
 
 
-class FrameSource:
-    """Where a decoded manifest's frame tables are: ``storage``, under ``step_dir``. Reads the
-    slices of the chunks a reader asks for, one request per table file, each slice checked
-    against its digest and its chunk, and keeps them (a load plans some pieces twice)."""
+class TableSource(Protocol):
+    """Where a decoded manifest's frame tables are read from (``ckptd.catalog.FrameSource``:
+    the step's directory in storage). The format says what a slice is, not how it is fetched."""
 
-    def __init__(self, storage: Storage, step_dir: str, where: str) -> None:
-        self.storage, self.step_dir, self.where = storage, step_dir, where
-        self.fetched_frames = 0  # frames read from table files (tests: a load reads its own)
-        self._cache: dict[FrameRef, FrameTable] = {}
-        self._lock = threading.Lock()
+    where: str  # the step, for messages
+    fetched_frames: int  # frames read from table files so far
 
     def tables(self, refs: Sequence[tuple[str, FrameRef]]) -> list[FrameTable]:
-        """The frames of each ``(tensor, ref)``, in order."""
-        with self._lock:
-            missing = [(n, r) for n, r in refs if r not in self._cache]
-        by_table: dict[str, list[tuple[str, FrameRef]]] = {}
-        for n, r in dict.fromkeys(missing):
-            by_table.setdefault(r.table, []).append((n, r))
-        for table, items in sorted(by_table.items()):
-            path = f"{self.step_dir}/{table}"
-            where = f"{self.where}/{table}"
-            try:
-                head, *bodies = self.storage.read_ranges(
-                    path, [(0, HEADER)] + [r.byte_range for _, r in items])
-            except FileNotFoundError:
-                raise CorruptCheckpoint(f"{where}: {items[0][0]}: frame table missing") from None
-            except EOFError as e:
-                raise CorruptCheckpoint(
-                    f"{where}: {items[0][0]}: frame table truncated ({e})") from None
-            if bytes(head[:8]) != MAGIC:
-                raise CorruptCheckpoint(f"{where}: not a ckptd frame table")
-            got = {}
-            for (name, ref), body in zip(items, bodies, strict=True):
-                got[ref] = parse_slice(body, ref, f"{where}: {name}")
-            with self._lock:
-                self._cache.update(got)
-                self.fetched_frames += sum(len(t) for t in got.values())
-        with self._lock:
-            return [self._cache[r] for _, r in refs]
+        """The frames of each ``(tensor, ref)``, in order, each checked against its digest."""
+        ...

@@ -17,7 +17,7 @@ from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.manifest.envelope import MAX_INT, parse_json, split_doc
-from ckptd.manifest.frames import FrameRef, FrameSource, FrameTable
+from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
 from ckptd.manifest.schema import Chunk, Manifest, TensorEntry, checked_dtype_name
 from ckptd.regions import Box
 
@@ -35,7 +35,7 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def decode(raw: bytes, where: str, frames: FrameSource | None = None, *,
+def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
            eager: bool = False) -> Manifest:
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor. In format 3 the tensors'

@@ -30,7 +30,7 @@ from ckptd.manifest.envelope import (
     tail_field,
     unsealed_start,
 )
-from ckptd.manifest.frames import FrameRef, FrameSource, FrameTable, check_sizes
+from ckptd.manifest.frames import FrameRef, FrameTable, TableSource, check_sizes
 from ckptd.regions import Box
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class Manifest:
     # partials only: tensors the rank holds that another rank wrote (it lists what it wrote)
     holds: tuple[str, ...] = ()
     # where this manifest's frame tables are read from (set when it was read from storage)
-    frames: FrameSource | None = field(default=None, compare=False, repr=False)
+    frames: TableSource | None = field(default=None, compare=False, repr=False)
     # names of the tensors whose chunks were decoded (format 3 decodes them on first use)
     decoded: set[str] = field(default_factory=set, compare=False, repr=False)
 

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd import gcpause
+from ckptd import catalog, gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
-from ckptd.manifest import catalog, layout
+from ckptd.manifest import layout
 from ckptd.reshard.load import load_into
 from ckptd.sharding import Described
 from ckptd.storage import Storage

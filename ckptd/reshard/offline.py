@@ -42,10 +42,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptd import config
+from ckptd import catalog, config
 from ckptd.errors import CkptdError
 from ckptd.hostarray import HostArray
-from ckptd.manifest import Chunk, Manifest, TensorEntry, catalog, codecs, layout
+from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout
 from ckptd.regions import Box
 from ckptd.reshard import direct, waves
 from ckptd.reshard.load import gap_bytes, make_plan

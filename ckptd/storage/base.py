@@ -34,8 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ckptd import config
-
-Buffer = bytes | bytearray | memoryview
+from ckptd.buffers import Buffer
 
 Gate = Callable[[int], None]  # before each block of a data file: a writer's pace and stop
 

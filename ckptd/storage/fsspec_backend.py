@@ -17,8 +17,10 @@ from typing import Any
 import fsspec
 
 from ckptd import config
+from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, Gate, Storage, blocks, check_ranges, relative
+from ckptd.buffers import Buffer
+from ckptd.storage.base import Gate, Storage, blocks, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 
 __all__ = ["FsspecStorage"]

@@ -12,8 +12,10 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
+from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.storage.base import Buffer, Gate, Storage, blocks
+from ckptd.buffers import Buffer
+from ckptd.storage.base import Gate, Storage, blocks
 from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")

@@ -31,10 +31,12 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
 from ckptd.storage import s3_read
 from ckptd.storage import s3_retry as retry
-from ckptd.storage.base import Buffer, Gate
+from ckptd.buffers import Buffer
+from ckptd.storage.base import Gate
 from ckptd.storage.s3_read import all_or_cancel
 from ckptd.storage.s3_write import (
     MAX_PARTS,

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptd import config
-from ckptd.storage.base import Buffer, Gate, Storage, check_ranges, join, relative
+from ckptd.buffers import Buffer
+from ckptd.storage.base import Gate, Storage, check_ranges, join, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS, S3Transfer
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ckptd.storage.base import Buffer
+from ckptd.buffers import Buffer
 
 MAX_PARTS = 10_000
 MAX_PART_BYTES = 5 << 30

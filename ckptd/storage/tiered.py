@@ -19,7 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ckptd.storage.base import Buffer, Delegating, ReadSession, Storage
+from ckptd.buffers import Buffer
+from ckptd.storage.base import Delegating, ReadSession, Storage
 
 log = logging.getLogger("ckptd")
 

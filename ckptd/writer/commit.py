@@ -26,9 +26,9 @@ from dataclasses import replace
 from typing import Any
 
 from ckptd import config, errors, gcpause
+from ckptd.catalog import Owner, all_steps, committed, read_owner
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
-from ckptd.manifest.catalog import Owner, all_steps, committed, read_owner
 from ckptd.manifest.envelope import PREFIX_BYTES, committed_attempt, open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval

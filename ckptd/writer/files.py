@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptd import config
+from ckptd.buffers import Buffer
 from ckptd.manifest import Chunk, FrameTable, codecs
 from ckptd.regions import Box
 from ckptd.storage import Storage
-from ckptd.storage.base import Buffer, Gate
+from ckptd.storage.base import Gate
 from ckptd.writer.pack import FilePlan
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Retention (``keep_last``) and garbage collection (``ckptd gc``).
 
 Retention removes whole committed steps beyond the newest ``keep_last`` in commit order
-(:mod:`ckptd.manifest.catalog`), never the newest. Garbage collection removes every attempt that
+(:mod:`ckptd.catalog`), never the newest. Garbage collection removes every attempt that
 no committed manifest names and that can never commit any more:
 
 - an attempt with a FAILED marker or a rank's failure record;
@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass, field
 
 from ckptd import config
+from ckptd.catalog import Owner, all_steps, committed, read_manifest, read_owner
 from ckptd.manifest import layout
-from ckptd.manifest.catalog import Owner, all_steps, committed, read_manifest, read_owner
 from ckptd.storage import Storage
 from ckptd.storage.base import as_storage
 from ckptd.writer.commit import attempt_run

@@ -1,5 +1,7 @@
 """The step catalog: which steps under a root are committed, which one is the newest, and
-opening one. Read-only: nothing here writes (committing is ``ckptd.writer.commit``'s).
+opening one — its manifest and its frame tables (:class:`FrameSource`). Read-only: nothing here
+writes (committing is ``ckptd.writer.commit``'s). The format (``ckptd.manifest``) does no I/O;
+this module reads it from storage.
 
 **Commit order, not step numbers.** A root can hold steps of several runs: a fine-tune into a
 reused directory, or a restart that renumbers, saves steps 1, 2, 3 beside an older run's
@@ -17,12 +19,15 @@ directories and reads their manifests.
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout
 from ckptd.manifest.envelope import open_doc
+from ckptd.manifest.frames import HEADER, MAGIC, FrameRef, FrameTable, parse_slice
 from ckptd.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -82,7 +87,6 @@ def read_raw(storage: Storage, step: int) -> bytes:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
-    from ckptd.manifest.frames import FrameSource
     from ckptd.manifest.parse import decode  # the tensors: only what loads them needs it
 
     raw = read_raw(storage, step)
@@ -175,3 +179,44 @@ def open_step(
             raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
         step = last.step
     return storage, step, read_manifest(storage, step)
+
+
+class FrameSource:
+    """Where a decoded manifest's frame tables are: ``storage``, under ``step_dir``. Reads the
+    slices of the chunks a reader asks for, one request per table file, each slice checked
+    against its digest and its chunk, and keeps them (a load plans some pieces twice)."""
+
+    def __init__(self, storage: Storage, step_dir: str, where: str) -> None:
+        self.storage, self.step_dir, self.where = storage, step_dir, where
+        self.fetched_frames = 0  # frames read from table files (tests: a load reads its own)
+        self._cache: dict[FrameRef, FrameTable] = {}
+        self._lock = threading.Lock()
+
+    def tables(self, refs: Sequence[tuple[str, FrameRef]]) -> list[FrameTable]:
+        """The frames of each ``(tensor, ref)``, in order."""
+        with self._lock:
+            missing = [(n, r) for n, r in refs if r not in self._cache]
+        by_table: dict[str, list[tuple[str, FrameRef]]] = {}
+        for n, r in dict.fromkeys(missing):
+            by_table.setdefault(r.table, []).append((n, r))
+        for table, items in sorted(by_table.items()):
+            path = f"{self.step_dir}/{table}"
+            where = f"{self.where}/{table}"
+            try:
+                head, *bodies = self.storage.read_ranges(
+                    path, [(0, HEADER)] + [r.byte_range for _, r in items])
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{where}: {items[0][0]}: frame table missing") from None
+            except EOFError as e:
+                raise CorruptCheckpoint(
+                    f"{where}: {items[0][0]}: frame table truncated ({e})") from None
+            if bytes(head[:8]) != MAGIC:
+                raise CorruptCheckpoint(f"{where}: not a ckptd frame table")
+            got = {}
+            for (name, ref), body in zip(items, bodies, strict=True):
+                got[ref] = parse_slice(body, ref, f"{where}: {name}")
+            with self._lock:
+                self._cache.update(got)
+                self.fetched_frames += sum(len(t) for t in got.values())
+        with self._lock:
+            return [self._cache[r] for _, r in refs]
