@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout
-from ckptd.manifest.envelope import open_doc
 from ckptd.manifest.frames import HEADER, MAGIC, FrameRef, FrameTable, parse_slice
+from ckptd.manifest.parse import PREFIX_BYTES, Head, Lead, decode, head, lead
 from ckptd.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -65,8 +65,11 @@ def read_owner(storage: Storage) -> Owner | None:
 
 @dataclass(frozen=True)
 class Committed:
+    """A committed step: its number, the generation that committed it and its attempt."""
+
     step: int
     generation: int
+    attempt: str
 
     @property
     def order(self) -> tuple[int, int]:
@@ -78,31 +81,32 @@ def all_steps(storage: Storage) -> list[int]:
     return sorted(s for s in map(layout.parse_step_dir, storage.list_dir("")) if s is not None)
 
 
+def _where(storage: Storage, step: int) -> str:
+    return f"{storage.url}/{layout.manifest_path(step)}"
+
+
 def read_raw(storage: Storage, step: int) -> bytes:
-    path = layout.manifest_path(step)
     try:
-        return storage.read_bytes(path)
+        return storage.read_bytes(layout.manifest_path(step))
     except FileNotFoundError:
-        raise CheckpointNotFound(f"{storage.url}/{path}: no committed step {step}") from None
+        raise CheckpointNotFound(f"{_where(storage, step)}: no committed step {step}") from None
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
-    from ckptd.manifest.parse import decode  # the tensors: only what loads them needs it
-
-    raw = read_raw(storage, step)
-    where = f"{storage.url}/{layout.manifest_path(step)}"
-    manifest = decode(raw, where, FrameSource(storage, layout.step_dir(step),
-                                              f"{storage.url}/{layout.step_dir(step)}"))
+    where = _where(storage, step)
+    manifest = decode(read_raw(storage, step), where, FrameSource(
+        storage, layout.step_dir(step), f"{storage.url}/{layout.step_dir(step)}"))
     _check_step(manifest.step, step, where)
     return manifest
 
 
-def read_doc(storage: Storage, step: int) -> dict[str, Any]:
-    """The manifest as checked JSON (size, digest, format; no tensors decoded, no torch)."""
-    where = f"{storage.url}/{layout.manifest_path(step)}"
-    doc = open_doc(read_raw(storage, step), where)
-    _check_step(doc.get("step"), step, where)
-    return doc
+def read_head(storage: Storage, step: int) -> Head:
+    """What ``ckptd ls`` and ``history`` show of ``step`` (the whole file read and its digest
+    checked; no chunk decoded, no torch)."""
+    where = _where(storage, step)
+    got = head(read_raw(storage, step), where)
+    _check_step(got.step, step, where)
+    return got
 
 
 def _check_step(said: Any, step: int, where: str) -> None:
@@ -113,38 +117,50 @@ def _check_step(said: Any, step: int, where: str) -> None:
                                 f"of step {step}")
 
 
-def doc_shapes(doc: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's global shape, from a manifest's head (format 3: its index)."""
-    if "index" in doc:
-        return {n: tuple(e[1]) for n, e in doc["index"].items()}
-    return {n: tuple(t["shape"]) for n, t in doc["tensors"].items()}
-
-
-def doc_nbytes(doc: dict[str, Any]) -> int:
-    """The bytes of every chunk (raw, replicas included), from a manifest's head."""
-    if "index" in doc:
-        return int(doc["nbytes"])
-    return sum(int(c["length"]) for t in doc["tensors"].values() for c in t["chunks"])
+def read_committed(storage: Storage, step: int) -> Committed:
+    """Whether ``step`` is committed (CheckpointNotFound if not), by whom and in which attempt:
+    from the manifest's sealed lead, its first :data:`PREFIX_BYTES` (one ranged read), or from
+    its head where the manifest has no lead (written before it, or formats 1 and 2)."""
+    path, where = layout.manifest_path(step), _where(storage, step)
+    try:
+        prefix = bytes(storage.read_ranges(path, [(0, PREFIX_BYTES)])[0])
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{where}: no committed step {step}") from None
+    except EOFError:  # a manifest shorter than the prefix
+        prefix = b""
+    found: Lead | Head | None = lead(prefix, where)
+    if found is None or found.generation is None:
+        found = head(read_raw(storage, step), where)
+    _check_step(found.step, step, where)
+    assert found.generation is not None
+    return Committed(step, found.generation, found.attempt)
 
 
 def committed(storage: Storage) -> list[Committed]:
-    """The committed steps, oldest first in commit order ``(generation, step)``. A damaged
-    manifest raises :class:`CorruptCheckpoint` naming it: skipping it could silently make an
-    older step the newest."""
-    out = []
-    for step in all_steps(storage):
+    """The committed steps, oldest first in commit order ``(generation, step)``, each read
+    from its lead (:func:`read_committed`). A damaged lead or head raises
+    :class:`CorruptCheckpoint` naming the manifest: skipping it could silently make an older
+    step the newest (a manifest damaged past its lead is refused by whatever reads the rest).
+
+    A listed step without a manifest is in flight, or was removed by retention after a newer
+    commit: when no listed step is committed but some had no manifest, the root is listed
+    again, once, so that a reader racing retention is not told there is no step at all."""
+    listed = all_steps(storage)
+    found, missing = _read_committed(storage, listed)
+    if missing and not found:
+        found, _ = _read_committed(storage, [s for s in all_steps(storage) if s not in listed])
+    return sorted(found, key=lambda c: c.order)
+
+
+def _read_committed(storage: Storage, steps: list[int]) -> tuple[list[Committed], bool]:
+    """The committed ones of ``steps``, and whether some had no manifest."""
+    found, missing = [], False
+    for step in steps:
         try:
-            doc = read_doc(storage, step)
+            found.append(read_committed(storage, step))
         except CheckpointNotFound:
-            continue
-        generation = doc.get("generation", 0)
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-            raise CorruptCheckpoint(
-                f"{storage.url}/{layout.manifest_path(step)}: generation {generation!r} is "
-                "not valid"
-            )
-        out.append(Committed(step, generation))
-    return sorted(out, key=lambda c: c.order)
+            missing = True
+    return found, missing
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -157,27 +173,36 @@ def newest(storage: Storage) -> Committed | None:
     return found[-1] if found else None
 
 
+def newest_step(storage: Storage) -> int:
+    """The newest committed step (CheckpointNotFound when there is none)."""
+    last = newest(storage)
+    if last is None:
+        raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
+    return last.step
+
+
 def split_step_url(url: str) -> tuple[str, int | None]:
     """``ROOT/step-000000042`` -> (ROOT, 42); ``ROOT`` -> (ROOT, None: the newest committed)."""
-    head, _, tail = url.rstrip("/").rpartition("/")
-    step = layout.parse_step_dir(tail)
-    if step is not None and head:
-        return head, step
+    root, _, name = url.rstrip("/").rpartition("/")
+    step = layout.parse_step_dir(name)
+    if step is not None and root:
+        return root, step
     return url.rstrip("/") or url, None
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Storage, int]:
+    """The storage and step of a committed checkpoint named by ``url`` (a step directory, or a
+    root meaning its newest committed step)."""
+    root, step = split_step_url(url)
+    storage = open_storage(root, storage_options)
+    return storage, newest_step(storage) if step is None else step
 
 
 def open_step(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[Storage, int, Manifest]:
-    """The storage, step and manifest of a committed checkpoint named by ``url`` (a step
-    directory, or a root meaning its newest committed step)."""
-    root, step = split_step_url(url)
-    storage = open_storage(root, storage_options)
-    if step is None:
-        last = newest(storage)
-        if last is None:
-            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
-        step = last.step
+    """:func:`open_url`, and the step's manifest."""
+    storage, step = open_url(url, storage_options)
     return storage, step, read_manifest(storage, step)
 
 

@@ -20,6 +20,7 @@ import pytest
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 RUNS = {
+    "catalog": ["--tensors", "20", "--ranks", "4", "--steps", "3"],
     "checksum": ["--size", "16MiB", "--runs", "1"],
     "planes": ["--mib", "8", "--runs", "1"],
     "commit": ["--world", "2", "--saves", "2"],

@@ -1,7 +1,7 @@
 """``ckptd plan``, ``ckptd history`` and ``ckptd demo``: thin shells over ``ckptd.elastic``.
 
-``plan`` and ``history`` import no torch: the planner is arithmetic, and manifests are read as
-checked JSON (``ckptd.catalog.read_doc``).
+``plan`` and ``history`` import no torch: the planner is arithmetic, and manifests are read to
+their heads (``ckptd.catalog.read_head``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec, infer_mode
 from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown
 from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.manifest import layout
-from ckptd.storage import Storage, open_storage
+from ckptd.manifest.parse import Head
+from ckptd.storage import Storage
 
 
 def register(add: Add) -> None:
@@ -81,30 +82,23 @@ def _int(text: str) -> int:
 
 
 # ----------------------------------------------------------------------------- reading
-def _open(url: str, storage_options: dict[str, Any] | None) -> tuple[Storage, int, dict[str, Any]]:
-    """Storage, step and checked manifest JSON of ``ROOT`` (latest) or ``ROOT/step-N``."""
-    root, step = catalog.split_step_url(url)
-    storage = open_storage(root, storage_options)
-    if step is None:
-        last = catalog.newest(storage)
-        if last is None:
-            raise CheckpointNotFound(f"{storage.url}: no committed checkpoint")
-        step = last.step
-    return storage, step, catalog.read_doc(storage, step)
+def _open(url: str, storage_options: dict[str, Any] | None) -> tuple[Storage, Head]:
+    """Storage and manifest head of ``ROOT`` (latest) or ``ROOT/step-N``."""
+    storage, step = catalog.open_url(url, storage_options)
+    return storage, catalog.read_head(storage, step)
 
 
 def read_meta(url: str, storage_options: dict[str, Any] | None = None,
               ) -> tuple[int, TrainingMeta]:
     """The step and elastic metadata of a checkpoint (``ROOT`` = its latest committed step)."""
-    storage, step, doc = _open(url, storage_options)
-    return step, TrainingMeta.from_json(dict(doc.get("training", {})),
-                                        f"{storage.url} step {step}")
+    storage, h = _open(url, storage_options)
+    return h.step, TrainingMeta.from_json(h.training, f"{storage.url} step {h.step}")
 
 
 def read_latest_training(root: str) -> dict[str, Any] | None:
     """The latest committed checkpoint's training dict, or None when there is none yet."""
     try:
-        return dict(_open(root, None)[2].get("training", {}))
+        return _open(root, None)[1].training
     except CheckpointNotFound:
         return None
 
@@ -116,18 +110,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     policy = ElasticPolicy()
     saved_world: int | None = None
     if args.source:
-        storage, step, doc = _open(args.source, args.storage_options)
+        storage, h = _open(args.source, args.storage_options)
         try:
-            meta = TrainingMeta.from_json(dict(doc.get("training", {})), args.source)
+            meta = TrainingMeta.from_json(h.training, args.source)
             model, previous, policy = meta.model, meta.reference, meta.policy
         except NotElastic:
-            shapes = catalog.doc_shapes(doc)
-            model = infer_model(shapes)
-            saved_world = int(doc["world_size"])
-            print(f"{storage.url}/{layout.step_dir(step)} has no elastic metadata: model inferred "
-                  f"from its tensors (hidden {model.hidden_size}, {model.num_hidden_layers} "
-                  f"layers, {model.num_parameters:.3g} parameters), previous world size "
-                  f"{saved_world} from its manifest", file=sys.stderr)
+            model = infer_model(h.shapes)
+            saved_world = h.world_size
+            print(f"{storage.url}/{layout.step_dir(h.step)} has no elastic metadata: model "
+                  f"inferred from its tensors (hidden {model.hidden_size}, "
+                  f"{model.num_hidden_layers} layers, {model.num_parameters:.3g} parameters), "
+                  f"previous world size {saved_world} from its manifest", file=sys.stderr)
     if args.hidden_size or args.num_layers or args.num_params:
         base = model or ModelSpec(1, 1, 1)
         model = ModelSpec(args.hidden_size or base.hidden_size,
@@ -193,14 +186,12 @@ def step_rows(storage: Storage) -> list[dict[str, Any]]:
     world size, size, time, and the batch settings where elastic metadata has them."""
     out = []
     for c in catalog.committed(storage):
-        doc = catalog.read_doc(storage, c.step)
-        training = dict(doc.get("training", {}))
+        h = catalog.read_head(storage, c.step)
+        training = h.training
         raw_spec = training.get("spec")
         spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
         out.append({
-            "step": c.step, "world_size": int(doc["world_size"]),
-            "nbytes": catalog.doc_nbytes(doc),
-            "created": float(doc["created"]),
+            "step": c.step, "world_size": h.world_size, "nbytes": h.nbytes, "created": h.created,
             "micro_batch_size": spec.get("micro_batch_size"),
             "gradient_accumulation_steps": spec.get("gradient_accumulation_steps"),
             "zero_stage": spec.get("zero_stage"),
@@ -209,10 +200,11 @@ def step_rows(storage: Storage) -> list[dict[str, Any]]:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    storage, step, doc = _open(args.ckpt, args.storage_options)
+    storage, h = _open(args.ckpt, args.storage_options)
+    step = h.step
     try:
-        meta: TrainingMeta | None = TrainingMeta.from_json(
-            dict(doc.get("training", {})), f"{storage.url} step {step}")
+        meta: TrainingMeta | None = TrainingMeta.from_json(h.training,
+                                                            f"{storage.url} step {step}")
     except NotElastic:
         meta = None
     steps = step_rows(storage)

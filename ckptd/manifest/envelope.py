@@ -8,13 +8,14 @@
 3. strict JSON: duplicate keys, nesting too deep, integers too long are refused;
 4. its format name and version.
 
-No torch here: the step catalog and ``ckptd ls`` read manifests through this module alone.
+A committed manifest of format 3 also seals its *lead*, its first few keys, on their own
+(:func:`lead_digest`): what a reader of its first bytes alone learns is checked too. No torch
+here.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import xxhash
@@ -100,35 +101,45 @@ def parse_json(raw: bytes, where: str) -> Any:
         raise CorruptCheckpoint(f"{where}: not valid JSON ({e})") from e
 
 
-
-
 def open_doc(raw: bytes, where: str) -> dict[str, Any]:
     """The manifest's JSON object (in format 3 its head: everything but the tensors' chunks),
     once its size, digest, format and version are checked."""
     return split_doc(raw, where)[0]
 
 
-# The first bytes of a format-3 manifest as the writer makes them (the head's keys in the
-# order of Manifest._head): which step and attempt it commits, without the rest of the file.
-_PREFIX = re.compile(
-    rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"[0-9a-f]{16}","format":"ckptd","version":\d+,'
-    rb'"checksum":"xxh3_64","step":(\d{1,19}),"attempt":("(?:[^"\\]|\\.){0,256}")')
-PREFIX_BYTES = 512  # enough for the prefix with any attempt id ckptd makes
+# The lead (``docs/format.md``): a committed manifest's first keys, through
+# ``"lead":"xxh3_64:<16 hex>"``, sealed on their own so that a reader of the first bytes alone
+# (``ckptd.manifest.parse.lead``) can trust the step, attempt and generation they name.
+LEAD_MARK = b',"lead":"xxh3_64:'
 
 
-def committed_attempt(prefix: bytes) -> tuple[int, str] | None:
-    """``(step, attempt)`` from the first :data:`PREFIX_BYTES` of a manifest, or None when
-    they do not have the writer's exact form (an older format, a foreign file): then read the
-    whole manifest. The digest is not checked here — a load checks it; this only tells a
-    waiting rank that a commit happened (a 1024-rank job's ranks read ~5 MB each otherwise)."""
-    m = _PREFIX.match(prefix)
-    if m is None:
-        return None
-    try:
-        attempt = json.loads(m.group(2))
-    except ValueError:
-        return None
-    return int(m.group(1)), attempt
+def lead_digest(raw: bytes | bytearray, end: int) -> str:
+    """xxh3-64 of ``raw[:end]`` (a lead, ending in its seal's 16 digits and a quote) with the
+    file's digest and the lead's seal each set to 16 zeros. The file's digest is left out
+    because it covers the lead seal: each seal is made, and checked, without the other."""
+    seal_at = end - 17
+    return xxhash.xxh3_64_hexdigest(bytes(raw[: len(_DIGEST_HEAD)]) + _ZEROS
+                                     + bytes(raw[_DIGEST_END:seal_at]) + _ZEROS
+                                     + bytes(raw[end - 1 : end]))
+
+
+def seal_lead(buf: bytearray, end: int) -> None:
+    """Write the lead seal of ``buf``, whose lead ends at ``end`` (before :func:`seal_in_place`,
+    whose digest covers it)."""
+    assert buf[end - 17 - len(LEAD_MARK) + 1 : end] == LEAD_MARK[1:] + _ZEROS + b'"'
+    buf[end - 17 : end - 1] = lead_digest(buf, end).encode()
+
+
+def check_version(version: Any, where: str) -> int:
+    """A format version this reader understands (a newer one is refused, naming both)."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpoint(f"{where}: missing format version")
+    if version > VERSION:
+        raise CorruptCheckpoint(
+            f"{where}: format version {version} is newer than this ckptd understands "
+            f"({VERSION}); upgrade ckptd to read it"
+        )
+    return version
 
 
 def split_doc(raw: bytes, where: str) -> tuple[dict[str, Any], int | None]:
@@ -157,14 +168,7 @@ def split_doc(raw: bytes, where: str) -> tuple[dict[str, Any], int | None]:
         doc = parse_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a ckptd manifest (no 'format': 'ckptd')")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptCheckpoint(f"{where}: missing format version")
-    if version > VERSION:
-        raise CorruptCheckpoint(
-            f"{where}: format version {version} is newer than this ckptd understands "
-            f"({VERSION}); upgrade ckptd to read it"
-        )
+    version = check_version(doc.get("version"), where)
     if version >= 2 and not sealed:
         raise CorruptCheckpoint(f"{where}: format version {version} without its digest")
     if (version >= 3) != (tail_at is not None):

@@ -1,22 +1,39 @@
-"""Reading a manifest back: :func:`decode` parses the bytes of a manifest or partial manifest
-(``ckptd.manifest.schema`` writes them) and checks every field as it goes — types, ranges, names,
-paths that stay inside the step, chunks that fit their tensor — so that a damaged or hostile file
-raises :class:`~ckptd.errors.CorruptCheckpoint` naming the file and the tensor, never anything
-else. In format 3 the chunks of a tensor are parsed when first used.
+"""Reading a manifest back — the one reader, three depths:
+
+- :func:`decode`: the whole record (:class:`~ckptd.manifest.schema.Manifest`), every field
+  checked as it goes — types, ranges, names, paths that stay inside the step, chunks that fit
+  their tensor — so that a damaged or hostile file raises
+  :class:`~ckptd.errors.CorruptCheckpoint` naming the file and the tensor, never anything else.
+  In format 3 the chunks of a tensor are parsed when first used.
+- :func:`head`: what listings show (:class:`Head`: step, attempt, generation, world size, time,
+  tensors' dtypes and shapes, bytes, training metadata), from the head alone, with the same
+  checks; the digest of the whole file is checked, no chunk is decoded.
+- :func:`lead`: which step, attempt and generation a committed manifest names, from its first
+  :data:`PREFIX_BYTES` alone (``docs/format.md``, *The lead*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import math
 import posixpath
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
-from ckptd.manifest.envelope import MAX_INT, parse_json, split_doc
+from ckptd.manifest.envelope import (
+    MAX_INT,
+    check_version,
+    lead_digest,
+    parse_json,
+    split_doc,
+)
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
 from ckptd.manifest.schema import Chunk, Manifest, TensorEntry, checked_dtype_name
 from ckptd.regions import Box
@@ -26,13 +43,24 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     """The whole JSON form of a manifest file of any format (what :func:`encode_doc` takes):
     for tools and tests; a reader decodes with :func:`decode`."""
     doc, tail_at = split_doc(raw, where)
-    doc = {k: v for k, v in doc.items() if k not in ("digest", "tail", "nbytes")}
+    doc = {k: v for k, v in doc.items() if k not in ("digest", "tail", "lead", "nbytes")}
     if tail_at is not None:
         chunks = parse_json(raw[tail_at:-1], where)
         index = doc.pop("index")
         doc["tensors"] = {n: {"dtype": index[n][0], "shape": index[n][1],
                               "chunks": chunks[n]["chunks"]} for n in index}
     return doc
+
+
+@contextlib.contextmanager
+def _fields(where: str) -> Iterator[None]:
+    """A field of the wrong type or out of range: a CorruptCheckpoint naming ``where``."""
+    try:
+        yield
+    except CorruptCheckpoint:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise CorruptCheckpoint(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
 
 
 def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
@@ -43,7 +71,7 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
     parse: the coordinator's merge uses every chunk of every partial); ``frames`` reads their
     frame tables."""
     doc, tail_at = split_doc(raw, where)
-    try:
+    with _fields(where):
         decoded: set[str] = set()
         if tail_at is None:
             if not isinstance(doc["tensors"], dict):
@@ -68,10 +96,108 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             frames=frames,
             decoded=decoded,
         )
-    except CorruptCheckpoint:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise CorruptCheckpoint(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
+
+
+@dataclass(frozen=True)
+class Head:
+    """A committed step as listings show it, read without decoding a chunk."""
+
+    step: int
+    attempt: str
+    generation: int  # 0 before generations (format 1)
+    world_size: int
+    created: float
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, global shape)
+    nbytes: int  # raw bytes of every chunk, replicas included
+    training: dict[str, Any]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (_, shape) in self.tensors.items()}
+
+
+def head(raw: bytes, where: str) -> Head:
+    """The :class:`Head` of a manifest of any format, its fields checked as :func:`decode`
+    checks them (format 3: from the head's index and ``nbytes``; formats 1 and 2, which have
+    no index, from each tensor's entry, adding up its chunks' lengths)."""
+    doc, tail_at = split_doc(raw, where)
+    with _fields(where):
+        if tail_at is None:
+            entries = _object(doc["tensors"], "tensors")
+            tensors = {n: _declared(n, t["dtype"], t["shape"], where)[:2]
+                       for n, t in entries.items()}
+            nbytes = sum(_int(c["length"]) for t in entries.values() for c in t["chunks"])
+        else:
+            tensors = {n: _declared(n, e[0], e[1], where)[:2]
+                       for n, e in _index_entries(doc).items()}
+            nbytes = _int(doc["nbytes"])
+        return Head(step=_int(doc["step"]), attempt=_name(doc["attempt"]),
+                    generation=_int(doc.get("generation", 0)),
+                    world_size=_int(doc["world_size"], lo=1), created=float(doc["created"]),
+                    tensors=tensors, nbytes=nbytes, training=dict(doc.get("training", {})))
+
+
+PREFIX_BYTES = 512  # what a reader of the lead fetches: the lead with any attempt id ckptd makes
+
+# The lead of a committed manifest of format 3, as the writer makes it (schema.LEAD_KEYS): the
+# digest and tail fields, format, version, checksum, step, attempt; then, from the writer that
+# seals it, the generation and the lead seal. A manifest of format 3 written before the seal
+# stops after the attempt; formats 1 and 2 have another form. Integers are bounded by their
+# digits, the attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
+_LEAD = re.compile(
+    rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"[0-9a-f]{16}","format":"ckptd",'
+    rb'"version":(?P<version>\d{1,9}),"checksum":"xxh3_64","step":(?P<step>\d{1,19}),'
+    rb'"attempt":(?P<attempt>"(?:[^"\\]|\\.)*")'
+    rb'(?:,"generation":(?P<generation>\d{1,19}),"lead":"xxh3_64:(?P<seal>[0-9a-f]{16})")?')
+
+
+@dataclass(frozen=True)
+class Lead:
+    """What a committed manifest's first bytes name. ``generation`` is None when they carry
+    no lead seal (format 3 written before it): then step and attempt are unchecked, and what
+    needs them checked, or the generation, reads the head (:func:`head`)."""
+
+    step: int
+    attempt: str
+    generation: int | None
+
+
+def lead(prefix: bytes, where: str) -> Lead | None:
+    """The :class:`Lead` in the first :data:`PREFIX_BYTES` of a manifest, or None when they do
+    not have the writer's form (formats 1 and 2, a foreign or damaged file, an attempt id too
+    long for the prefix): then read the head. A sealed lead whose seal does not match its bytes
+    is a :class:`CorruptCheckpoint` naming ``where``; so is a version newer than this reader's.
+    The rest of the file is not checked here: a reader of the head or of the tensors checks
+    the file's digest."""
+    m = _LEAD.match(prefix)
+    if m is None:
+        return None
+    if m["seal"] is not None and m["seal"].decode() != lead_digest(prefix, m.end()):
+        raise CorruptCheckpoint(f"{where}: the manifest's lead does not match its seal "
+                                "(damaged or edited)")
+    check_version(int(m["version"]), where)
+    try:
+        attempt = _name(json.loads(m["attempt"]))
+        step = _int(int(m["step"]))
+        generation = None if m["generation"] is None else _int(int(m["generation"]))
+    except ValueError:
+        return None  # sealed by no writer of ckptd: the head says what is wrong
+    return Lead(step, attempt, generation)
+
+
+def _object(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise TypeError(f"'{what}' is not an object")
+    return v
+
+
+def _index_entries(doc: dict[str, Any]) -> dict[str, list[Any]]:
+    """Format 3: the head's index, each entry ``[dtype, shape, start, length]``."""
+    index = _object(doc["index"], "index")
+    for name, item in index.items():
+        if not (isinstance(item, list) and len(item) == 4):
+            raise ValueError(f"{name}: index entry {item!r} is not [dtype, shape, start, length]")
+    return index
 
 
 def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: set[str],
@@ -84,14 +210,9 @@ def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: s
         _safe_relpath(t, where, "frame table")
         if not t.endswith(".frames"):
             raise CorruptCheckpoint(f"{where}: frame table {t!r} is not a .frames file")
-    index = doc["index"]
-    if not isinstance(index, dict):
-        raise TypeError("'index' is not an object")
     end = len(raw) - 2  # the tensors object's closing "}" and the document's
     out = {}
-    for name, item in index.items():
-        if not (isinstance(item, list) and len(item) == 4):
-            raise ValueError(f"{name}: index entry {item!r} is not [dtype, shape, start, length]")
+    for name, item in _index_entries(doc).items():
         dtype, shape, itemsize = _declared(name, item[0], item[1], where)
         start, length = tail_at + _int(item[2]), _int(item[3])
         if start + length > end:

@@ -23,10 +23,12 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.manifest.envelope import (
     FORMAT,
+    LEAD_MARK,
     MAX_INT,
     TENSORS_KEY,
     VERSION,
     seal_in_place,
+    seal_lead,
     tail_field,
     unsealed_start,
 )
@@ -249,12 +251,29 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
     the head holds an index of every tensor's dtype, shape and the byte range of its chunks in
     the tail, so that a reader parses the head and only the entries it needs."""
     head = {k: v for k, v in doc.items()
-            if k not in ("digest", "tail", "index", "tensors", "nbytes")}
+            if k not in ("digest", "tail", "lead", "index", "tensors", "nbytes")}
     return _encode(head, ((n, t["dtype"], t["shape"], t["chunks"])
                           for n, t in doc["tensors"].items()))
 
 
+# A committed manifest's first keys, in this order, then their seal: its *lead*, which a reader
+# of the first bytes alone trusts (ckptd.manifest.parse.lead; docs/format.md)
+LEAD_KEYS = ("format", "version", "checksum", "step", "attempt", "generation")
+
+
+def _lead_first(head: dict[str, Any]) -> dict[str, Any]:
+    """``head`` with its lead first and the lead seal's place after it (partials have none:
+    only the coordinator reads them, whole)."""
+    if "rank" in head or not all(k in head for k in LEAD_KEYS):
+        return dict(head)
+    out = {k: head[k] for k in LEAD_KEYS}
+    out["lead"] = "xxh3_64:" + "0" * 16
+    out.update((k, v) for k, v in head.items() if k not in out)
+    return out
+
+
 def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
+    head = _lead_first(head)
     texts: list[bytes] = []
     index: dict[str, list[Any]] = {}
     nbytes = 0
@@ -284,4 +303,6 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
         if texts:
             out += b","
     out += b"}}"
+    if "lead" in head:  # the first mark: the keys before it are the writer's own
+        seal_lead(out, out.index(LEAD_MARK) + len(LEAD_MARK) + 17)
     return bytes(seal_in_place(out))

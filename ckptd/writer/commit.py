@@ -29,7 +29,8 @@ from ckptd import config, errors, gcpause
 from ckptd.catalog import Owner, all_steps, committed, read_owner
 from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
-from ckptd.manifest.envelope import PREFIX_BYTES, committed_attempt, open_doc
+from ckptd.manifest.envelope import open_doc
+from ckptd.manifest.parse import PREFIX_BYTES, head, lead
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.writer import exiting
@@ -343,21 +344,19 @@ def wait_committed(
 
 def _attempt_at(storage: Storage, path: str, step: int) -> Any:
     """The attempt the manifest at ``path`` commits (None: none yet, or unreadable). One ranged
-    GET of its first bytes (not exists + GET: on an object store `exists` costs up to two
-    requests); the whole head only when they are not in the writer's form."""
+    GET of its first bytes, its lead (not exists + GET: on an object store `exists` costs up to
+    two requests); the whole head only when they are not in the writer's form."""
     try:
         prefix = bytes(storage.read_ranges(path, [(0, PREFIX_BYTES)])[0])
     except FileNotFoundError:
         return None  # not yet, or replaced by retention/another commit
     except EOFError:  # a manifest shorter than the prefix
         prefix = b""
-    got = committed_attempt(prefix)
-    if got is not None:
-        return got[1] if got[0] == step else None
     try:
-        return open_doc(storage.read_bytes(path), path).get("attempt")
+        got = lead(prefix, path) or head(storage.read_bytes(path), path)
     except (FileNotFoundError, CorruptCheckpoint):
         return None
+    return got.attempt if got.step == step else None
 
 
 # ----------------------------------------------------------------------------- ownership

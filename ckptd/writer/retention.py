@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ckptd import config
-from ckptd.catalog import Owner, all_steps, committed, read_manifest, read_owner
+from ckptd.catalog import Owner, all_steps, committed, read_owner
 from ckptd.manifest import layout
 from ckptd.storage import Storage
 from ckptd.storage.base import as_storage
@@ -133,7 +133,7 @@ def collect_garbage(
     if keep_last > 0:
         report.removed_committed = apply_retention(storage, keep_last)
     uploads = storage = as_storage(storage)  # (a user's own object: with the defaults)
-    commits = {c.step: read_manifest(storage, c.step).attempt for c in committed(storage)}
+    commits = {c.step: c.attempt for c in committed(storage)}
     judge = _Judge(storage, read_owner(storage), commits)
 
     attempts: dict[int, set[str]] = {s: set() for s in all_steps(storage)}
