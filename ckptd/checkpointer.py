@@ -28,7 +28,7 @@ from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import as_storage
-from ckptd.world import agree_attempt_base, agree_run_id, dist_or_none, resolve_world
+from ckptd.world import agree_attempt_base, agree_run_id, from_rank0, resolve_world
 from ckptd.writer import exiting
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import InProcess
@@ -294,12 +294,7 @@ class Checkpointer:
         return result
 
     def _agreed_latest(self) -> int | None:
-        dist = dist_or_none()
-        if dist is None or dist.get_world_size() == 1:
-            return self.latest_step()
-        box = [self.latest_step() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return from_rank0(self.latest_step)  # rank 0 looks, every rank loads the same step
 
 
 def _drain_at_exit() -> None:

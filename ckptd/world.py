@@ -1,4 +1,5 @@
-"""Who this process is: rank and world size, and the run id all ranks of one job share."""
+"""Who this process is: rank and world size, and the run id all ranks of one job share; the
+collectives that make ranks agree (:func:`gather_object`, :func:`from_rank0`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptd import config
 from ckptd.errors import CkptdError
+
+T = TypeVar("T")
 
 
 def dist_or_none() -> Any:
@@ -19,14 +22,33 @@ def dist_or_none() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def _group() -> Any:
+    """``torch.distributed`` when a process group of more than one rank is initialised: when
+    ranks have peers to agree with."""
+    dist = dist_or_none()
+    return dist if dist is not None and dist.get_world_size() > 1 else None
+
+
 def gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (foreground only: a collective); ``[obj]`` alone."""
-    dist = dist_or_none()
-    if dist is None or dist.get_world_size() == 1:
+    dist = _group()
+    if dist is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def from_rank0(compute: Callable[[], T]) -> T:
+    """What ``compute()`` returns on rank 0, on every rank: rank 0 alone calls it, one
+    broadcast shares it (foreground only: a collective). Without peers (no process group, or
+    one rank) each process calls it itself."""
+    dist = _group()
+    if dist is None:
+        return compute()
+    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[no-any-return]
 
 
 def fail_together(
@@ -44,6 +66,9 @@ def fail_together(
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size``, each (when None) from the process group, else from the
+    launcher's ``RANK`` / ``WORLD_SIZE`` (0 and 1 by default); a rank outside the world is a
+    :class:`CkptdError`."""
     dist = dist_or_none()
     if rank is None:
         rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
@@ -64,13 +89,13 @@ def agree_attempt_base(world_size: int, run_id_given: bool) -> int:
     on it: 0, and a run id reused across their restarts keeps that hazard (``docs/api.md``)."""
     if not run_id_given:
         return 0
-    now = time.time_ns() // 1_000_000
-    dist = dist_or_none()
-    if dist is not None and dist.get_world_size() > 1:
-        box: list[Any] = [now if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return int(box[0])
-    return now if world_size == 1 else 0
+    if _group() is not None:
+        return int(from_rank0(_clock_ms))
+    return _clock_ms() if world_size == 1 else 0
+
+
+def _clock_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
@@ -81,11 +106,8 @@ def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
     given = config.RUN_ID.get()
     if given:
         return given
-    dist = dist_or_none()
-    if dist is not None and dist.get_world_size() > 1:
-        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
+    if _group() is not None:
+        return str(from_rank0(lambda: uuid.uuid4().hex[:12]))
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return (
             f"{os.environ['TORCHELASTIC_RUN_ID']}-r"

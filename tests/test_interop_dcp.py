@@ -287,3 +287,13 @@ def test_ckptd_load_accepts_a_dcp_directory_as_source(tmp_path):
         ckptd.checkpointer.default().close()
         ckptd.checkpointer.set_default(None)
     shutil.rmtree(tmp_path / "new-root")
+
+
+@pytest.mark.parametrize("rank, world", [(2, 2), (-1, 2), (0, 0)])
+def test_a_rank_outside_the_world_is_refused_before_anything_is_read(tmp_path, rank, world):
+    """load_dcp resolves rank and world size as a Checkpointer does, range check included."""
+    small_dcp(tmp_path / "d")
+    state = fresh()
+    with pytest.raises(ckptd.CkptdError, match=rf"^rank {rank} outside world of size {world}$"):
+        load_dcp(state, str(tmp_path / "d"), trust=True, rank=rank, world_size=world)
+    assert_untouched(state)

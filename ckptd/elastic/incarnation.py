@@ -22,18 +22,9 @@ from ckptd.elastic.events import EventLog
 from ckptd.elastic.history import ElasticPolicy, HistoryEntry, TrainingMeta, torchrun_world
 from ckptd.elastic.run import ElasticRun
 from ckptd.elastic.search import InvalidSpec, ModelSpec, TrainingSpec, replan
-from ckptd.world import dist_or_none
+from ckptd.world import from_rank0
 
 log = logging.getLogger("ckptd.elastic")
-
-
-def _from_rank0(value: Any) -> Any:
-    dist = dist_or_none()
-    if dist is None or dist.get_world_size() == 1:
-        return value
-    box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def resume(
@@ -77,7 +68,7 @@ def resume(
         return time.time(), step, dict(m.training), writers
 
     # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
-    now, step, training, writers = _from_rank0(latest() if ckpt.rank == 0 else None)
+    now, step, training, writers = from_rank0(latest)
     if step is None:
         spec = reference if world == reference.world_size else _replan(
             model, reference, world, policy)

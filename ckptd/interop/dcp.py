@@ -23,7 +23,6 @@ stored as one list (``optim.param_groups.0.betas``) fills the ckptd leaves of it
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,7 @@ from ckptd.regions import Box, copy_region
 from ckptd.reshard.committed import LoadResult
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
 from ckptd.storage import Storage, open_storage
-from ckptd.world import dist_or_none, fail_together, gather_object
+from ckptd.world import fail_together, gather_object, resolve_world
 
 __all__ = ["is_dcp", "load_dcp", "load_from_dcp"]
 
@@ -158,15 +157,6 @@ def _pick(obj: Any, sub: list[str], key: str) -> Any:
     return list(obj) if isinstance(obj, tuple) else obj
 
 
-def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    dist = dist_or_none()
-    if rank is None:
-        rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
-    if world_size is None:
-        world_size = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world_size
-
-
 def load_dcp(
     state: Any,
     source: str | Storage,
@@ -186,7 +176,7 @@ def load_dcp(
     >>> load_dcp({"model": model.state_dict()}, "dcp/step-100", trust=True)  # doctest: +SKIP
     """
     storage = source if not isinstance(source, str) else open_storage(source, storage_options)
-    rank, world_size = _resolve_world(rank, world_size)
+    rank, world_size = resolve_world(rank, world_size)
     with ThreadPoolExecutor(threads or config.io_threads(), thread_name_prefix="ckptd-dcp") as pool:
         return _load(storage, state, rank, world_size, strict, trust, pool)
 
