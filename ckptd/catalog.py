@@ -117,21 +117,29 @@ def _check_step(said: Any, step: int, where: str) -> None:
                                 f"of step {step}")
 
 
-def read_committed(storage: Storage, step: int) -> Committed:
-    """Whether ``step`` is committed (CheckpointNotFound if not), by whom and in which attempt:
-    from the manifest's sealed lead, its first :data:`PREFIX_BYTES` (one ranged read), or from
-    its head where the manifest has no lead (written before it, or formats 1 and 2)."""
-    path, where = layout.manifest_path(step), _where(storage, step)
+def read_lead(storage: Storage, step: int, *, sealed: bool = True) -> Lead | Head:
+    """What ``step``'s manifest names (step, attempt, generation): from its lead, its first
+    :data:`PREFIX_BYTES` (one ranged read), or from its head where those bytes are not a lead
+    (formats 1 and 2), or with ``sealed`` not a sealed one (written before the lead seal).
+    CheckpointNotFound when there is no manifest; the step is not compared with ``step``."""
+    path = layout.manifest_path(step)
     try:
         prefix = bytes(storage.read_ranges(path, [(0, PREFIX_BYTES)])[0])
     except FileNotFoundError:
-        raise CheckpointNotFound(f"{where}: no committed step {step}") from None
+        raise CheckpointNotFound(f"{_where(storage, step)}: no committed step {step}") from None
     except EOFError:  # a manifest shorter than the prefix
         prefix = b""
-    found: Lead | Head | None = lead(prefix, where)
-    if found is None or found.generation is None:
-        found = head(read_raw(storage, step), where)
-    _check_step(found.step, step, where)
+    found = lead(prefix, _where(storage, step))
+    if found is None or (sealed and found.generation is None):
+        return head(read_raw(storage, step), _where(storage, step))
+    return found
+
+
+def read_committed(storage: Storage, step: int) -> Committed:
+    """Whether ``step`` is committed (CheckpointNotFound if not), by which generation and
+    attempt: from its manifest's sealed lead, or its head (:func:`read_lead`)."""
+    found = read_lead(storage, step)
+    _check_step(found.step, step, _where(storage, step))
     assert found.generation is not None
     return Committed(step, found.generation, found.attempt)
 

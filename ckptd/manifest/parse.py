@@ -74,9 +74,8 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
     with _fields(where):
         decoded: set[str] = set()
         if tail_at is None:
-            if not isinstance(doc["tensors"], dict):
-                raise TypeError("'tensors' is not an object")
-            tensors = {name: _tensor(name, t, where) for name, t in doc["tensors"].items()}
+            tensors = {name: _tensor(name, t, where)
+                       for name, t in _object(doc["tensors"], "tensors").items()}
         else:
             tensors = _index(raw, tail_at, doc, where, decoded)
             if eager:
@@ -137,7 +136,9 @@ def head(raw: bytes, where: str) -> Head:
                     tensors=tensors, nbytes=nbytes, training=dict(doc.get("training", {})))
 
 
-PREFIX_BYTES = 512  # what a reader of the lead fetches: the lead with any attempt id ckptd makes
+# What a reader of the lead fetches: the lead's fixed part is at most ~230 bytes, leaving room for
+# an attempt id of ~280 (one that names files is at most 255: a file name's limit)
+PREFIX_BYTES = 512
 
 # The lead of a committed manifest of format 3, as the writer makes it (schema.LEAD_KEYS): the
 # digest and tail fields, format, version, checksum, step, attempt; then, from the writer that

@@ -26,11 +26,10 @@ from dataclasses import replace
 from typing import Any
 
 from ckptd import config, errors, gcpause
-from ckptd.catalog import Owner, all_steps, committed, read_owner
-from ckptd.errors import CkptdError, CorruptCheckpoint, ForeignWriter
+from ckptd.catalog import Owner, all_steps, committed, read_lead, read_owner
+from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint, ForeignWriter
 from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.envelope import open_doc
-from ckptd.manifest.parse import PREFIX_BYTES, head, lead
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.writer import exiting
@@ -321,11 +320,10 @@ def wait_committed(
     """Block until the coordinator committed ``attempt`` (or raise its reason)."""
     signals = signals or GroupStore(None)
     poller = Poller(storage, config.get().commit_timeout_s)
-    path = layout.manifest_path(step)
     while True:
         if signals.committed(attempt):
             return
-        if _attempt_at(storage, path, step) == attempt:
+        if _attempt_at(storage, step) == attempt:
             return
         error = _failure(storage, step, attempt, signals)
         if error is not None:
@@ -342,19 +340,13 @@ def wait_committed(
             )
 
 
-def _attempt_at(storage: Storage, path: str, step: int) -> Any:
-    """The attempt the manifest at ``path`` commits (None: none yet, or unreadable). One ranged
-    GET of its first bytes, its lead (not exists + GET: on an object store `exists` costs up to
-    two requests); the whole head only when they are not in the writer's form."""
+def _attempt_at(storage: Storage, step: int) -> str | None:
+    """The attempt that ``step``'s manifest commits (None: none yet, or unreadable), from its
+    lead: one ranged GET of its first bytes (not exists + GET: on an object store `exists`
+    costs up to two requests); the whole head only when they are not in the writer's form."""
     try:
-        prefix = bytes(storage.read_ranges(path, [(0, PREFIX_BYTES)])[0])
-    except FileNotFoundError:
-        return None  # not yet, or replaced by retention/another commit
-    except EOFError:  # a manifest shorter than the prefix
-        prefix = b""
-    try:
-        got = lead(prefix, path) or head(storage.read_bytes(path), path)
-    except (FileNotFoundError, CorruptCheckpoint):
+        got = read_lead(storage, step, sealed=False)
+    except (CheckpointNotFound, CorruptCheckpoint):  # not yet, removed, or damaged
         return None
     return got.attempt if got.step == step else None
 
