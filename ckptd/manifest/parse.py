@@ -27,13 +27,7 @@ from typing import Any
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
-from ckptd.manifest.envelope import (
-    MAX_INT,
-    check_version,
-    lead_digest,
-    parse_json,
-    split_doc,
-)
+from ckptd.manifest.envelope import MAX_INT, check_version, lead_digest, parse_json, split_doc
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
 from ckptd.manifest.schema import Chunk, Manifest, TensorEntry, checked_dtype_name
 from ckptd.regions import Box
@@ -140,11 +134,9 @@ def head(raw: bytes, where: str) -> Head:
 # an attempt id of ~280 (one that names files is at most 255: a file name's limit)
 PREFIX_BYTES = 512
 
-# The lead of a committed manifest of format 3, as the writer makes it (schema.LEAD_KEYS): the
-# digest and tail fields, format, version, checksum, step, attempt; then, from the writer that
-# seals it, the generation and the lead seal. A manifest of format 3 written before the seal
-# stops after the attempt; formats 1 and 2 have another form. Integers are bounded by their
-# digits, the attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
+# A committed manifest's lead as the writer makes it (schema.LEAD_KEYS); one of format 3 written
+# before the lead seal stops after the attempt. Integers are bounded by their digits, the
+# attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
 _LEAD = re.compile(
     rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"[0-9a-f]{16}","format":"ckptd",'
     rb'"version":(?P<version>\d{1,9}),"checksum":"xxh3_64","step":(?P<step>\d{1,19}),'
@@ -154,9 +146,8 @@ _LEAD = re.compile(
 
 @dataclass(frozen=True)
 class Lead:
-    """What a committed manifest's first bytes name. ``generation`` is None when they carry
-    no lead seal (format 3 written before it): then step and attempt are unchecked, and what
-    needs them checked, or the generation, reads the head (:func:`head`)."""
+    """What a committed manifest's first bytes name. ``generation`` is None where they have no
+    lead seal (format 3 written before it): step and attempt unchecked, read the head to check."""
 
     step: int
     attempt: str
