@@ -19,7 +19,6 @@ import fsspec
 from ckptd import config
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.buffers import Buffer
 from ckptd.storage.base import Gate, Storage, blocks, check_ranges, relative
 from ckptd.storage.s3_transfer import S3_PROTOCOLS
 

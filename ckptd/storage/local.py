@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.buffers import Buffer
 from ckptd.storage.base import Gate, Storage, blocks
 from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 

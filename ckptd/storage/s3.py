@@ -35,7 +35,6 @@ from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
 from ckptd.storage import s3_read
 from ckptd.storage import s3_retry as retry
-from ckptd.buffers import Buffer
 from ckptd.storage.base import Gate
 from ckptd.storage.s3_read import all_or_cancel
 from ckptd.storage.s3_write import (
