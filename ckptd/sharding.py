@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -84,10 +84,12 @@ class Fused:
 
 @dataclass
 class Local:
-    """A per-rank value (a tensor or a JSON-able value), saved per rank.
+    """A per-rank value (a tensor, or a JSON-able value in which ``bytes`` and tuples may
+    appear), saved per rank.
 
-    On load, rank ``r`` receives what rank ``r`` saved. A rank that did not exist in the saved
-    world keeps its current value (policy ``"keep"``).
+    On load, rank ``r`` receives what rank ``r`` saved: bytes come back as the same bytes (ckptd
+    never unpickles them), tuples as tuples. A rank that did not exist in the saved world keeps
+    its current value (policy ``"keep"``).
     """
 
     value: Any
@@ -148,6 +150,15 @@ class Described:
     # name -> JSON value or tensor; tensors also appear in ``pieces`` under local_name(rank, name)
     locals: dict[str, Any] = field(default_factory=dict)
     local_slots: dict[str, Slot] = field(default_factory=dict)
+    # non-empty lists and tuples holding values: path -> (the sequence, its slot in its parent;
+    # None when the parent is a tuple or the state itself)
+    sequences: dict[str, tuple[list[Any] | tuple[Any, ...], Slot | None]] = field(
+        default_factory=dict)
+
+    @property
+    def tuples(self) -> frozenset[str]:
+        """Paths of the tuples among ``sequences`` (the manifest records them)."""
+        return frozenset(p for p, (s, _) in self.sequences.items() if isinstance(s, tuple))
 
     def tensor_names(self) -> set[str]:
         return {p.name for p in self.pieces}
@@ -165,7 +176,25 @@ def _is_dtensor(x: object) -> bool:
 
 
 def _is_json_scalar(x: object) -> bool:
-    return x is None or isinstance(x, (bool, int, float, str))
+    return x is None or isinstance(x, (bool, int, float, str, bytes))
+
+
+def _sequences(tree: Any, prefix: str, slot: Slot | None, out: Described) -> None:
+    """Record the non-empty lists and tuples under ``tree`` that hold no tensor or leaf (their
+    elements are values), with where each sits, so a load can give tuples back."""
+    import torch
+
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _sequences(v, _join(prefix, str(k)),
+                       Slot(tree, k) if isinstance(tree, dict) else None, out)
+    elif isinstance(tree, (list, tuple)) and tree:
+        if prefix and not any(isinstance(v, (torch.Tensor, Local, Shard, FlatShard, Fused))
+                              or _is_dtensor(v) for v in tree):
+            out.sequences[prefix] = (tree, slot)
+        for i, v in enumerate(tree):
+            _sequences(v, _join(prefix, str(i)),
+                       Slot(tree, i) if isinstance(tree, list) else None, out)
 
 
 def walk(
@@ -209,7 +238,7 @@ def describe(state: Any, rank: int, world_size: int) -> Described:
                     )
                 )
             else:
-                _check_json(path, leaf.value)
+                _check_json(path, leaf.value, local=True)
             out.locals[path] = leaf.value
             if slot is not None:
                 out.local_slots[path] = slot
@@ -239,25 +268,56 @@ def describe(state: Any, rank: int, world_size: int) -> Described:
             if slot is not None:
                 out.slots[path] = slot
     _check_unique(out.pieces)
+    if out.values:
+        _sequences(state, "", None, out)
     return out
 
 
-def _check_json(path: str, value: Any) -> None:
+def put_values(described: Described, values: Mapping[str, Any], saved_tuples: Iterable[str],
+               ) -> None:
+    """Replace the state's values by the saved ``values``. Tuples hold values too: a tuple of
+    the state gets the saved elements (a new tuple of its type in its parent), and a list that
+    was saved as a tuple (``saved_tuples``) becomes one."""
+    for key, slot in described.slots.items():
+        if key in values:
+            slot.container[slot.key] = values[key]
+    saved = frozenset(saved_tuples)
+    rebuilt: dict[str, Any] = {}  # tuples inside tuples: built first, put in by their parent
+    for path in sorted(described.sequences, key=lambda p: p.count("/"), reverse=True):
+        seq, where = described.sequences[path]
+        if isinstance(seq, list) and path not in saved:
+            continue  # filled in place through the slots
+        items = [rebuilt.get(f"{path}/{i}", values.get(f"{path}/{i}", x))
+                 for i, x in enumerate(seq)]
+        new = type(seq)(*items) if hasattr(seq, "_fields") else tuple(items)  # a namedtuple
+        if where is not None:
+            where.container[where.key] = new
+        else:
+            rebuilt[path] = new
+
+
+def _check_json(path: str, value: Any, local: bool = False) -> None:
     if _is_json_scalar(value):
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _check_json(f"{path}/{i}", v)
+            _check_json(f"{path}/{i}", v, local)
         return
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise StateMismatch(f"{path}: dict key {k!r} is not a string; not JSON-able")
-            _check_json(f"{path}/{k}", v)
+            _check_json(f"{path}/{k}", v, local)
         return
+    if local:
+        raise StateMismatch(
+            f"{path}: a {type(value).__name__} inside ckptd.Local is neither a tensor, bytes "
+            "nor JSON-able; convert it (to a dict of numbers, or to bytes you decode yourself)"
+        )
     raise StateMismatch(
-        f"{path}: a {type(value).__name__} is neither a tensor, a ckptd leaf nor JSON-able; "
-        "convert it (e.g. to a dict of numbers) or wrap a per-rank value in ckptd.Local"
+        f"{path}: a {type(value).__name__} is neither a tensor, a ckptd leaf, bytes nor "
+        "JSON-able; convert it (to a dict of numbers, or to bytes you decode yourself), and "
+        "wrap a value that differs by rank in ckptd.Local"
     )
 
 

@@ -14,9 +14,10 @@ import torch
 
 from ckptd.errors import CkptdError
 from ckptd.manifest import TensorEntry, layout
+from ckptd.manifest import values as typed
 from ckptd.manifest.schema import dtype_from_name, dtype_name
 from ckptd.regions import Box
-from ckptd.sharding import Piece
+from ckptd.sharding import LOCAL_PREFIX, Piece
 from ckptd.writer.files import Framing
 from ckptd.writer.job import CommitParams, SaveJob
 from ckptd.writer.pack import FilePlan, Slot
@@ -34,6 +35,9 @@ def encode(job: SaveJob) -> dict[str, Any]:
     """The job: everything the agent needs to write it as the saving process would have —
     the plan, the codec and the framing, the commit's parameters (never tensor data)."""
     share, rnd, framing, commit_ = job.share, job.round, job.framing, job.commit
+    values, by_rank, types = typed.encode(share.values, share.tuples,
+                                          {str(share.rank): share.locals}, LOCAL_PREFIX)
+    locals_ = by_rank[str(share.rank)]
     return {
         "version": VERSION,
         "share": {
@@ -41,7 +45,7 @@ def encode(job: SaveJob) -> dict[str, Any]:
             "world_size": share.world_size,
             "declared": {n: [dtype_name(e.dtype), list(e.shape)]
                          for n, e in share.declared.items()},
-            "values": share.values, "locals": share.locals, "training": share.training,
+            "values": values, "locals": locals_, "types": types, "training": share.training,
         },
         "nbytes": rnd.nbytes,
         "files": [{"index": p.index, "start": p.start, "end": p.end,
@@ -80,8 +84,11 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
             box = Box(tuple(offsets), tuple(sizes))
             slots.append(Slot(Piece(name, entry.shape, entry.dtype, box, view), offset, nbytes))
         plans.append(FilePlan(f["index"], f["start"], f["end"], slots))
+    values, tuples, by_rank = typed.decode(
+        s["values"], {str(s["rank"]): s["locals"]},
+        typed.checked_types(s.get("types", {}), "agent job"), LOCAL_PREFIX, "agent job")
     share = Share(s["step"], s["attempt"], s["rank"], s["world_size"], declared,
-                  s["values"], s["locals"], s["training"])
+                  values, by_rank[str(s["rank"])], s["training"], tuples)
     c, f = doc["commit"], doc.get("framing") or {}
     cfg = Framing.current()  # (a job without them: this process's)
     framing = Framing(_positive(doc.get("frame_bytes", cfg.frame_bytes), "frame_bytes"),

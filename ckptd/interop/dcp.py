@@ -47,7 +47,7 @@ from ckptd.interop.dcp_format import (
 from ckptd.interop.source import by_budget
 from ckptd.regions import Box, copy_region
 from ckptd.reshard.committed import LoadResult
-from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe
+from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe, put_values
 from ckptd.storage import Storage, open_storage
 from ckptd.world import fail_together, gather_object, resolve_world
 
@@ -154,7 +154,25 @@ def _pick(obj: Any, sub: list[str], key: str) -> Any:
             obj = obj[int(part)] if isinstance(obj, (list, tuple)) else obj[part]
         except (KeyError, IndexError, ValueError, TypeError) as e:
             raise StateMismatch(f"{key}: not in the checkpoint's value ({e!r})") from e
-    return list(obj) if isinstance(obj, tuple) else obj
+    return obj
+
+
+def _saved_tuples(index: DcpIndex, objects: dict[str, Any], described: Described) -> set[str]:
+    """Which of the state's lists and tuples were saved as tuples (DCP keeps the object)."""
+    out = set()
+    for path in described.sequences:
+        found = _resolve_value(index, path)
+        if found is None or found[0] not in objects:
+            continue
+        obj = objects[found[0]]
+        try:
+            for part in found[1]:
+                obj = obj[int(part)] if isinstance(obj, (list, tuple)) else obj[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            continue
+        if isinstance(obj, tuple):
+            out.add(path)
+    return out
 
 
 def load_dcp(
@@ -230,11 +248,13 @@ def _load(
     total = sum(c.box.numel * t.itemsize for t, c in items)
     kept: dict[Item, torch.Tensor] = {}
     values: dict[str, Any] = {}
+    tuples: set[str] = set()
     error: BaseException | None = None
     try:  # 2. read (and decode: that is what verifies a DCP item)
         wanted = sorted({n for n, _ in plan.values.values()})
         objects = read_objects(storage, [index.objects[n] for n in wanted], pool)
         values = {k: _pick(objects[n], sub, k) for k, (n, sub) in plan.values.items()}
+        tuples = _saved_tuples(index, objects, described)
         if total <= budget:
             kept = read_chunks(storage, items, pool)
         else:
@@ -251,10 +271,7 @@ def _load(
             for batch in by_budget(items, lambda tc: tc[1].box.numel * tc[0].itemsize, budget):
                 _copy(plan.copies, read_chunks(storage, batch, pool))
                 nbytes += sum(c.item.length for _, c in batch)
-    for key, value in values.items():
-        slot = described.slots.get(key)
-        if slot is not None:
-            slot.container[slot.key] = value
+    put_values(described, values, tuples)
     step = values.get("step", 0)
     ok = isinstance(step, int) and not isinstance(step, bool)
     return LoadResult(step if ok else 0, storage.url, nbytes, {})

@@ -86,6 +86,7 @@ def merge(partials: Sequence[Manifest], *, keep_copies: bool = False) -> Manifes
         values=next((p.values for p in partials if p.rank == 0), {}),
         locals=locals_,
         training=next((p.training for p in partials if p.rank == 0), {}),
+        tuples=next((p.tuples for p in partials if p.rank == 0), frozenset()),
     )
 
 

@@ -27,9 +27,16 @@ from typing import Any
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
+from ckptd.manifest import values as typed
 from ckptd.manifest.envelope import MAX_INT, check_version, lead_digest, parse_json, split_doc
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
-from ckptd.manifest.schema import Chunk, Manifest, TensorEntry, checked_dtype_name
+from ckptd.manifest.schema import (
+    LOCAL_PREFIX,
+    Chunk,
+    Manifest,
+    TensorEntry,
+    checked_dtype_name,
+)
 from ckptd.regions import Box
 
 
@@ -74,20 +81,25 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             tensors = _index(raw, tail_at, doc, where, decoded)
             if eager:
                 tensors = _parsed(raw, tail_at, tensors, doc["tables"], where)
+        values, tuples, locals_ = typed.decode(
+            dict(doc.get("values", {})),
+            {str(k): dict(v) for k, v in doc.get("locals", {}).items()},
+            typed.checked_types(doc.get("types", {}), where), LOCAL_PREFIX, where)
         return Manifest(
             step=_int(doc["step"]),
             attempt=_name(doc["attempt"]),
             world_size=_int(doc["world_size"], lo=1),
             created=float(doc["created"]),
             tensors=tensors,
-            values=dict(doc.get("values", {})),
-            locals={str(k): dict(v) for k, v in doc.get("locals", {}).items()},
+            values=values,
+            locals=locals_,
             training=dict(doc.get("training", {})),
             rank=_int(doc["rank"]) if "rank" in doc else None,
             generation=_int(doc.get("generation", 0)),
             holds=tuple(_held(doc.get("holds", []))),
             frames=frames,
             decoded=decoded,
+            tuples=tuples,
         )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
+from ckptd.manifest import values as typed
 from ckptd.manifest.envelope import (
     FORMAT,
     LEAD_MARK,
@@ -38,6 +39,7 @@ from ckptd.regions import Box
 if TYPE_CHECKING:
     import torch
 
+LOCAL_PREFIX = "__local__"  # ckptd.sharding.LOCAL_PREFIX: per-rank values' names
 TensorDoc = tuple[str, str, list[int], list[dict[str, Any]]]  # name, dtype, shape, chunks
 
 CHECKSUM = "xxh3_64"
@@ -167,6 +169,8 @@ class Manifest:
     frames: TableSource | None = field(default=None, compare=False, repr=False)
     # names of the tensors whose chunks were decoded (format 3 decodes them on first use)
     decoded: set[str] = field(default_factory=set, compare=False, repr=False)
+    # paths of the tuples whose elements are in ``values`` (``manifest/values.py``)
+    tuples: frozenset[str] = frozenset()
 
     @property
     def nbytes(self) -> int:
@@ -212,6 +216,8 @@ class Manifest:
             yield k, v.dtype_name, list(v.shape), [c.to_json(tables) for c in v.chunks]
 
     def _head(self, tables: dict[str, int]) -> dict[str, Any]:
+        values, locals_, types = typed.encode(self.values, self.tuples, self.locals,
+                                              LOCAL_PREFIX)
         out: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
@@ -220,8 +226,9 @@ class Manifest:
             "attempt": self.attempt,
             "world_size": self.world_size,
             "created": self.created,
-            "values": self.values,
-            "locals": self.locals,
+            "values": values,
+            "locals": locals_,
+            "types": types,
             "training": self.training,
             "tables": list(tables),
         }

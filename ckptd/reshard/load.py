@@ -40,7 +40,7 @@ from ckptd.reshard.reader import (
     copy_range,
     run_ranges,
 )
-from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name
+from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name, put_values
 from ckptd.storage import Storage
 from ckptd.world import dist_or_none, fail_together, gather_object
 
@@ -284,9 +284,7 @@ class _Clock:
 
 
 def _replace_values(manifest: Manifest, described: Described, rank: int) -> None:
-    for key, slot in described.slots.items():
-        if key in manifest.values:
-            slot.container[slot.key] = manifest.values[key]
+    put_values(described, manifest.values, manifest.tuples)
     saved_locals = manifest.locals.get(str(rank), {})
     for key, slot in described.local_slots.items():
         if key in saved_locals:

@@ -302,7 +302,8 @@ class Resharder:
         out = commit.commit_partials(
             dest, [p for p in partials if p is not None], run_id, generation=generation,
             keep_copies=True, values=dict(m.values),
-            locals={k: dict(v) for k, v in m.locals.items()}, training=training)
+            locals={k: dict(v) for k, v in m.locals.items()}, training=training,
+            tuples=m.tuples)
         return out, [r for r in reports if r is not None]
 
     def _share(self, p: RankPlan, attempt: str) -> Share:
@@ -311,7 +312,8 @@ class Resharder:
             declared = {n: TensorEntry(e.dtype_name, e.shape)
                         for n, e in self.manifest.tensors.items()}
         return Share(self.step, attempt, p.rank, len(self.plans), declared,
-                     values=dict(self.manifest.values) if p.rank == 0 else {})
+                     values=dict(self.manifest.values) if p.rank == 0 else {},
+                     tuples=self.manifest.tuples if p.rank == 0 else frozenset())
 
     def _read(self, pieces: list[Piece], files: StepFiles, io: ThreadPoolExecutor,
               read_budget: Buffers) -> ReadStats:

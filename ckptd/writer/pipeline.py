@@ -51,6 +51,7 @@ class Share:
     values: dict[str, Any] = field(default_factory=dict)
     locals: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
+    tuples: frozenset[str] = frozenset()  # paths of tuples whose elements are in ``values``
 
 
 @dataclass
@@ -291,6 +292,7 @@ class RankWriter:
             share.training,
             rank=share.rank,
             holds=holds,
+            tuples=share.tuples,
         )
 
     def write_rounds(

@@ -35,6 +35,7 @@ import torch
 from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import TensorEntry, codecs, layout
+from ckptd.manifest import values as typed
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.writer import commit, exiting
@@ -155,11 +156,12 @@ class Saver:
             rank=opts.rank,
             world_size=opts.world_size,
             declared={p.name: TensorEntry(p.dtype, p.global_shape) for p in described.pieces},
-            values=_json_copy(described.values) if opts.rank == 0 else {},
-            locals=_json_copy(
+            values=typed.snapshot(described.values) if opts.rank == 0 else {},
+            locals=typed.snapshot(
                 {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
             ),
             training=_json_copy(training or {}),
+            tuples=described.tuples if opts.rank == 0 else frozenset(),
         )
         rounds = self.plan(described)
         if len(rounds) > 1 and overlap:
