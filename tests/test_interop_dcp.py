@@ -130,7 +130,7 @@ def test_import_dcp_writes_a_ckptd_checkpoint_that_loads_resharded(dcp_dir, tmp_
     dest = str(tmp_path / "ckpt")
     assert main(["import-dcp", dcp_dir, "--out", dest, "--trust", "--compression", "zstd"]) == 0
     out = capsys.readouterr().out
-    assert f"as step {ts.STEP}: {dest}/step-{ts.STEP:09d}" in out
+    assert f"as step {ts.STEP} (from the directory name step-7): {dest}/step-{ts.STEP:09d}" in out
     assert main(["verify", dest]) == 0
     for layout in (LAYOUTS["single"], LAYOUTS["dp3_zero1"]):
         for rank in range(layout.world_size):  # each rank's share, one process at a time

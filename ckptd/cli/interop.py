@@ -86,8 +86,9 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     else:
         print(
             f"imported {report.tensors} tensors and {report.values} values as step "
-            f"{report.step}: {report.url} ({human(report.nbytes)})"
-            + (f"; skipped non-JSON objects {report.skipped}" if report.skipped else "")
+            f"{report.step} (from {report.step_from}): {report.url} ({human(report.nbytes)})"
+            + (f"; skipped objects that are not values (class instances) {report.skipped}"
+               if report.skipped else "")
         )
     return 0
 
@@ -125,6 +126,7 @@ def register(add: Add) -> None:
         "--step",
         type=int,
         default=None,
-        help="step number (default: the checkpoint's 'step' value, else 0)",
+        help="step number (default: N of a step-N directory name, else the checkpoint's "
+        "train_state.step or step value, else 0)",
     )
     im.add_argument("--compression", default=None, help="zstd or zstd:LEVEL")

@@ -10,10 +10,12 @@ tensors), because DCP reshards on load by chunk boxes just as ckptd does.
   readers load an item whole, so the slabs also bound what a DCP load of this export holds.
 - **Streaming.** Items are read a slab batch at a time through the ckptd loader, ``torch.save`` d
   and streamed into one data file; peak memory is a few slabs, whatever the checkpoint size.
-- **Values.** JSON values become DCP objects keyed like DCP's own flattening: a list of scalars
-  (``optim/param_groups/0/betas/0``, ``.../1``) becomes one object (``optim.param_groups.0.betas``),
-  as ``dcp.save`` stores it. ``Local`` (per-rank) tensors and values have no DCP counterpart and
-  are left out (counted in the report).
+- **Values.** Values become DCP objects keyed like DCP's own flattening: a tuple
+  (``optim/param_groups/0/betas/0``, ``.../1``) becomes one tuple object
+  (``optim.param_groups.0.betas``), a list of scalars one list, bytes stay bytes, as
+  ``dcp.save`` stores them. ``Local`` values go where DCP keeps per-rank keys
+  (:func:`dcp_objects`); ``Local`` tensors have no DCP counterpart and are left out (counted
+  in the report).
 - **Names.** DCP keys are the ckptd names with ``/`` -> ``.`` (``model/layers.0.w`` ->
   ``model.layers.0.w``), i.e. what DCP's flattening gives for the same state tree.
 """
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from ckptd.errors import CkptdError
+from ckptd.interop.objects import fold, leaves
 from ckptd.interop.source import (
     SLAB_BYTES,
     BoxReader,
@@ -36,6 +39,7 @@ from ckptd.interop.source import (
     open_checkpoint,
     slabs,
 )
+from ckptd.manifest import Manifest
 from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX
 from ckptd.storage import open_storage
@@ -55,30 +59,37 @@ class DcpExport:
     skipped_locals: int
 
 
-def group_lists(values: dict[str, Any]) -> dict[str, Any]:
-    """ckptd value leaves -> DCP objects: leaves ``P/0 .. P/n-1`` fold into one list ``P``
-    (bottom up, so nested lists of scalars fold entirely), as ``dcp.save`` keeps a list with no
-    tensor or dict inside as one object."""
-    out = dict(values)
-    while True:
-        kids: dict[str, list[str]] = {}
-        inner: set[str] = set()  # prefixes with grandchildren: some child is not a leaf
-        for name in out:
-            parts = name.split("/")
-            for i in range(1, len(parts)):
-                prefix = "/".join(parts[:i])
-                if i == len(parts) - 1:
-                    kids.setdefault(prefix, []).append(parts[-1])
-                else:
-                    inner.add(prefix)
-        folded = False
-        for parent, ks in kids.items():
-            if parent in inner or parent in out or set(ks) != {str(i) for i in range(len(ks))}:
+def dcp_objects(manifest: Manifest) -> tuple[dict[str, Any], int]:
+    """The DCP objects of a checkpoint's values, and how many per-rank values were left out.
+
+    Values fold back into the objects ``dcp.save`` keeps (``objects.fold``: tuples as tuples,
+    lists of scalars whole). ``Local`` values are written where DCP keeps a rank's own keys: each
+    rank's value split into leaves (``dataloader/dp_rank_1``, ``dataloader/world_size``), one
+    object per leaf name that every rank holding it agrees on; a name whose value differs by
+    rank, or that a global value or tensor already has, has no DCP place and is left out."""
+    tuples = set(manifest.tuples)
+    per_name: dict[str, list[Any]] = {}
+    for rank in sorted(manifest.locals, key=int):
+        for name, value in manifest.locals[rank].items():
+            found: set[str] = set()
+            try:
+                split = leaves(name, value, found)
+            except TypeError:
                 continue
-            out[parent] = [out.pop(f"{parent}/{i}") for i in range(len(ks))]
-            folded = True
-        if not folded:
-            return out
+            tuples |= found
+            for leaf, v in split.items():
+                per_name.setdefault(leaf, []).append(v)
+    taken = set(manifest.values) | set(manifest.tensors)
+    values = dict(manifest.values)
+    skipped = 0
+    for leaf, vs in per_name.items():
+        same = all(type(v) is type(vs[0]) and v == vs[0] for v in vs)
+        if same and leaf not in taken and not any(leaf.startswith(f"{t}/") for t in taken):
+            values[leaf] = vs[0]
+        else:
+            skipped += 1
+    skipped += sum(1 for n in manifest.tensors if n.startswith(f"{LOCAL_PREFIX}/"))
+    return fold(values, tuples), skipped
 
 
 def _paths_with_lists(names: list[str]) -> dict[str, tuple[str | int, ...]]:
@@ -122,7 +133,7 @@ def export_dcp(
     ckpt = open_checkpoint(ckpt_url, storage_options)
     slab = slab_bytes or SLAB_BYTES
     names = ckpt.tensor_names()
-    values = group_lists(ckpt.manifest.values)
+    values, skipped = dcp_objects(ckpt.manifest)
     paths = _paths_with_lists(names + sorted(values))
     key: dict[str, str] = {}  # ckptd name -> DCP key
     for name in names + sorted(values):
@@ -184,8 +195,6 @@ def export_dcp(
         version=DCP_VERSION,
     )
     storage.put_atomic(".metadata", pickle.dumps(metadata))
-    skipped = sum(1 for n in ckpt.manifest.tensors if n.startswith(f"{LOCAL_PREFIX}/"))
-    skipped += sum(len(v) for v in ckpt.manifest.locals.values())
     return DcpExport(
         storage.url, ckpt.step, len(names), len(plan) + len(values), written[0], skipped
     )

@@ -9,15 +9,21 @@ Memory: DCP chunks are read in batches of at most the load budget
 (``CKPTD_LOAD_BUDGET_BYTES``) and each batch is staged once before it is written, so the peak is
 about two batches (one when a single DCP item is larger than the budget: it is read whole).
 
-Objects (non-tensors) become JSON values named as ckptd names the leaves of the same state tree
-(a tuple ``betas`` -> ``.../betas/0``, ``.../betas/1``); objects that are not JSON-able are
-skipped and listed in the report.
+Objects (non-tensors) become values named as ckptd names the leaves of the same state tree
+(a tuple ``betas`` -> ``.../betas/0``, ``.../betas/1``, recorded as a tuple); ``bytes`` (a
+dataloader's pickled state) stay bytes; other objects (instances of classes) are skipped and
+listed in the report.
+
+The step: ``step=``, else the directory's name (``step-1000``, as torchtitan names them), else a
+``train_state/step`` value (torchtitan's), else a top-level ``step`` value, else 0; the report
+says which (``step_from``).
 """
 
 from __future__ import annotations
 
-import json
 import math
+import posixpath
+import re
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +34,7 @@ from ckptd import config
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.dcp import read_chunks, read_objects
 from ckptd.interop.dcp_format import DcpChunk, DcpTensor, read_index
+from ckptd.interop.objects import leaves
 from ckptd.manifest import Chunk, TensorEntry, codecs, dtype_name, layout
 from ckptd.sharding import Piece
 from ckptd.storage import open_storage
@@ -43,23 +50,26 @@ class DcpImport:
     tensors: int
     values: int
     nbytes: int  # stored bytes written
-    skipped: list[str] = field(default_factory=list)  # objects that are not JSON-able
+    skipped: list[str] = field(default_factory=list)  # objects a value cannot hold
+    step_from: str = ""  # where the step number came from
 
 
-def json_leaves(name: str, obj: Any) -> dict[str, Any]:
-    """``obj`` as ckptd value leaves under ``name`` (how ``ckptd.sharding.walk`` names them:
-    non-empty lists, tuples and dicts are containers); raises TypeError if not JSON-able."""
-    if isinstance(obj, (list, tuple)) and obj:
-        return {k: v for i, x in enumerate(obj) for k, v in json_leaves(f"{name}/{i}", x).items()}
-    if isinstance(obj, dict) and obj:
-        if not all(isinstance(k, str) for k in obj):
-            raise TypeError("dict with non-string keys")
-        return {k: v for key, x in obj.items() for k, v in json_leaves(f"{name}/{key}", x).items()}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return {name: obj}
-    if isinstance(obj, (list, tuple, dict)):  # empty: a leaf, as in walk()
-        return {name: type(obj)() if not isinstance(obj, tuple) else []}
-    raise TypeError(f"a {type(obj).__name__}")
+_STEP_DIR = re.compile(r"step[-_]?(\d+)")
+STEP_VALUES = ("train_state/step", "step")  # torchtitan's, then a plain top-level one
+
+
+def step_of(src: str, values: dict[str, Any], step: int | None) -> tuple[int, str]:
+    """The step of an imported checkpoint and where it came from (see the module's doc)."""
+    if step is not None:
+        return step, "--step"
+    found = _STEP_DIR.fullmatch(posixpath.basename(src.rstrip("/")))
+    if found:
+        return int(found.group(1)), f"the directory name {found.group(0)}"
+    for name in STEP_VALUES:
+        v = values.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v, f"the value {name}"
+    return 0, "nothing (no --step, no step-N directory name, no step value)"
 
 
 def import_dcp(
@@ -75,8 +85,9 @@ def import_dcp(
     """Convert the DCP directory ``src`` into a committed step under the ckptd root ``dest``.
 
     ``dest`` must not be a ckptd root yet: the import becomes its owner, which would make a job
-    writing there fail. ``step`` defaults to the checkpoint's top-level ``step`` value when it is
-    an int, else 0. ``trust=True`` is required (DCP metadata is a pickle).
+    writing there fail. ``step`` defaults to the number in the directory's name (``step-1000``),
+    else a ``train_state/step`` or top-level ``step`` value, else 0 (``DcpImport.step_from``
+    says which). ``trust=True`` is required (DCP metadata is a pickle).
     """
     source = open_storage(src, storage_options)
     index = read_index(source, trust=trust)
@@ -86,15 +97,16 @@ def import_dcp(
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-import") as pool:
         objects = read_objects(source, list(index.objects.values()), pool)
         values: dict[str, Any] = {}
+        tuples: set[str] = set()
         skipped: list[str] = []
         for name, obj in sorted(objects.items()):
             try:
-                values.update(json.loads(json.dumps(json_leaves(name, obj))))
-            except (TypeError, ValueError):
+                found: set[str] = set()
+                values.update(leaves(name, obj, found))
+                tuples |= found
+            except TypeError:
                 skipped.append(name)
-        if step is None:
-            top = objects.get("step")
-            step = top if isinstance(top, int) and not isinstance(top, bool) else 0
+        step, step_from = step_of(src, values, step)
         if storage.exists(layout.OWNER):  # claiming it would make a job writing there fail
             raise CkptdError(
                 f"{storage.url}: already a ckptd root ({layout.OWNER}); import into a new root, "
@@ -108,7 +120,8 @@ def import_dcp(
                 raise StateMismatch(f"{index.url}: {name}: {e}") from e
             declared[name] = TensorEntry(t.dtype, t.shape)
         run_id = uuid.uuid4().hex[:12]
-        share = Share(step, f"{run_id}-000001", 0, 1, declared, values=values)
+        share = Share(step, f"{run_id}-000001", 0, 1, declared, values=values,
+                      tuples=frozenset(tuples))
         commit.claim(storage, run_id)
         writer = RankWriter(storage, pool, StagingPool(1), codec, level)
         chunks: list[tuple[str, Chunk]] = []
@@ -140,6 +153,7 @@ def import_dcp(
         len(values),
         stored_bytes(chunks),
         skipped,
+        step_from,
     )
 
 
