@@ -128,6 +128,7 @@ def test_safetensors_export_consolidates_refuses_and_shards_like_transformers(
         "model/",
         "--max-shard-size",
         "2KB",
+        "--no-config",
     ]
     assert main(args + [a for f in fuse for a in ("--fuse", f)]) == 0
     assert "tensors" in capsys.readouterr().out
@@ -167,6 +168,7 @@ def test_safetensors_export_casts_floats_and_fuses_along_any_dim_in_small_slabs(
         dtype="bf16",
         fuse=[rule],
         slab_bytes=64,  # two rows of 8 floats at a time: slabs cross part boundaries
+        no_config=True,
     )
     got, _ = read_safetensors(out)
     want = model_reference(torch.bfloat16)
@@ -179,7 +181,8 @@ def test_safetensors_export_casts_floats_and_fuses_along_any_dim_in_small_slabs(
 
 
 def test_every_logical_tensor_exports_and_locals_stay_out(ckpt, tmp_path):
-    report = export_safetensors(ckpt, str(tmp_path / "all"), max_shard_size=10**9)
+    report = export_safetensors(ckpt, str(tmp_path / "all"), max_shard_size=10**9,
+                                select=["*"], no_config=True)
     got, _ = read_safetensors(tmp_path / "all")
     ref = {n.replace("/", "."): t for n, t in ts.reference().items()}
     assert report.files == ["model-00001-of-00001.safetensors"]
@@ -215,7 +218,9 @@ def test_every_logical_tensor_exports_and_locals_stay_out(ckpt, tmp_path):
 )
 def test_bad_export_options_fail_in_one_line_before_writing(ckpt, tmp_path, capsys, extra, message):
     out = tmp_path / "never"
-    assert main(["export", ckpt, "--format", "safetensors", "--out", str(out), *extra]) == 2
+    every = [] if "--select" in extra else ["--select", "*"]
+    assert main(["export", ckpt, "--format", "safetensors", "--out", str(out), "--no-config",
+                 *every, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
@@ -245,7 +250,8 @@ _MEASURE = textwrap.dedent(
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = status("VmRSS")
-        export(ckpt, f"{out}/{fmt}")
+        more = {"no_config": True, "select": ["*"]} if fmt == "safetensors" else {}
+        export(ckpt, f"{out}/{fmt}", **more)
         peaks[fmt] = status("VmHWM") - before
     print(json.dumps(peaks))
     """

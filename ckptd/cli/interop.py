@@ -11,6 +11,8 @@ from typing import Any
 
 from ckptd.cli.common import CKPT_HELP, Add, human, progress
 
+SHARD_DEFAULT = "50GB"
+
 
 @contextlib.contextmanager
 def _bar(desc: str) -> Iterator[Any]:
@@ -27,10 +29,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         unusable = [
             f"--{o.replace('_', '-')}"
-            for o in ("select", "strip_prefix", "dtype", "fuse")
+            for o in ("select", "strip_prefix", "dtype", "fuse", "config", "config_from",
+                      "no_config", "keep_wrapper_names", "rename", "overwrite")
             if getattr(args, o)
         ]
-        if unusable or args.max_shard_size != "5GB":
+        if unusable or args.max_shard_size != SHARD_DEFAULT:
             raise ValueError(f"{', '.join(unusable) or '--max-shard-size'}: safetensors only")
         with _bar("export") as bar:
             report: Any = export_dcp(
@@ -53,16 +56,27 @@ def cmd_export(args: argparse.Namespace) -> int:
                 args.ckpt,
                 args.out,
                 select=args.select,
-                strip_prefix=args.strip_prefix or "",
+                strip_prefix=args.strip_prefix,
                 max_shard_size=args.max_shard_size,
                 dtype=args.dtype,
                 fuse=args.fuse or (),
                 storage_options=args.storage_options,
                 progress=bar.update,
+                config=args.config,
+                config_from=args.config_from,
+                no_config=args.no_config,
+                keep_wrappers=args.keep_wrapper_names,
+                rename=args.rename,
+                overwrite=args.overwrite,
             )
         summary = (
             f"wrote {report.tensors} tensors ({human(report.total_size)}) of step {report.step} "
-            f"in {len(report.files)} files + model.safetensors.index.json to {report.url}"
+            f"in {len(report.files)} files + model.safetensors.index.json"
+            + (" + config.json" if report.config else " (no config.json)")
+            + f" to {report.url}"
+            + (f"; removed wrapper segments (_orig_mod, module, ...) from {report.stripped} "
+               "names" if report.stripped else "")
+            + (f"; renamed {report.renamed}" if report.renamed else "")
         )
     print(json.dumps(asdict(report)) if args.json else summary)
     return 0
@@ -97,16 +111,32 @@ def register(add: Add) -> None:
     ex = add("export", cmd_export, "write a checkpoint as safetensors (Hugging Face) or DCP")
     ex.add_argument("ckpt", help=CKPT_HELP)
     ex.add_argument("--format", choices=["safetensors", "dcp"], required=True,
-                    help="safetensors (Hugging Face, one rank's worth per file) or dcp")
+                    help="safetensors (Hugging Face: whole tensors, consolidated from every "
+                    "rank, in shards + index + config.json) or dcp")
     ex.add_argument("--out", required=True, help="output directory (path or URL)")
     ex.add_argument(
         "--select",
         action="append",
         metavar="GLOB",
-        help="logical tensors to export (repeatable; default all), e.g. 'model/*'",
+        help="logical tensors to export (repeatable; default the model's: 'model/*' with "
+        "model/ stripped, or all but optimizer, scheduler, dataloader and per-rank state)",
     )
     ex.add_argument("--strip-prefix", metavar="PREFIX", help="removed from names, e.g. model/")
-    ex.add_argument("--max-shard-size", default="5GB", help="per file (default 5GB)")
+    ex.add_argument("--max-shard-size", default=SHARD_DEFAULT,
+                    help=f"per file (default {SHARD_DEFAULT}, as transformers writes)")
+    ex.add_argument("--config", metavar="FILE", help="the model's config.json, written beside")
+    ex.add_argument("--config-from", metavar="DIR",
+                    help="a model directory whose config.json is written beside")
+    ex.add_argument("--no-config", action="store_true",
+                    help="write no config.json (from_pretrained then needs one from elsewhere)")
+    ex.add_argument("--keep-wrapper-names", action="store_true",
+                    help="keep _orig_mod, module, _checkpoint_wrapped_module, "
+                    "_fsdp_wrapped_module segments (removed by default)")
+    ex.add_argument("--rename", metavar="MODULE:FUNC|FILE.json",
+                    help="map each output name: a Python function name -> name, or a JSON "
+                    "object of names (a framework's state-dict adapter)")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export in --out (a non-empty --out is refused)")
     ex.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16, fp32")
     ex.add_argument(
         "--fuse",

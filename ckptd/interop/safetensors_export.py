@@ -35,9 +35,11 @@ import torch
 
 from ckptd.config import parse_size
 from ckptd.errors import CkptdError, StateMismatch
+from ckptd.interop import hf_names
+from ckptd.interop.hf_names import Rename
 from ckptd.interop.source import SLAB_BYTES, BoxReader, Checkpoint, open_checkpoint, row_slabs
 from ckptd.regions import Box
-from ckptd.storage import open_storage
+from ckptd.storage import Storage, open_storage
 
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {
@@ -126,6 +128,9 @@ class SafetensorsExport:
     tensors: int
     total_size: int
     nbytes_read: int
+    stripped: int = 0  # names that lost wrapper segments (_orig_mod, module, ...)
+    renamed: int = 0  # names the rename hook changed
+    config: bool = False  # config.json written
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -145,8 +150,10 @@ def plan_tensors(
     strip_prefix: str,
     dtype: torch.dtype | None,
     fuse: Sequence[FuseRule],
+    out_name: Callable[[str], str] = lambda n: n,
 ) -> list[_Tensor]:
-    """The output tensors, in name order; every naming problem is an error before any write."""
+    """The output tensors, in name order; every naming problem is an error before any write.
+    ``out_name`` maps a name after ``strip_prefix`` (wrapper segments, the rename hook)."""
     patterns = list(select) if select else ["*"]
     chosen = [n for n in ckpt.tensor_names() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     if not chosen:
@@ -154,7 +161,7 @@ def plan_tensors(
     by_out: dict[str, _Tensor] = {}
     for logical in chosen:
         entry = ckpt.manifest.tensors[logical]
-        name = logical.removeprefix(strip_prefix).replace("/", ".")
+        name = out_name(logical.removeprefix(strip_prefix).replace("/", "."))
         if name in by_out:
             raise StateMismatch(f"{logical} and {by_out[name].parts[0][0]} both become {name}")
         if entry.dtype not in _ST_DTYPES:
@@ -243,17 +250,30 @@ def export_safetensors(
     out: str,
     *,
     select: Sequence[str] | None = None,
-    strip_prefix: str = "",
-    max_shard_size: int | str = "5GB",
+    strip_prefix: str | None = None,
+    max_shard_size: int | str = "50GB",
     dtype: str | torch.dtype | None = None,
     fuse: Sequence[FuseRule | str] | Mapping[str, Sequence[str]] = (),
     storage_options: dict[str, Any] | None = None,
     slab_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
+    config: str | Mapping[str, Any] | None = None,
+    config_from: str | None = None,
+    no_config: bool = False,
+    keep_wrappers: bool = False,
+    rename: Rename | None = None,
+    overwrite: bool = False,
 ) -> SafetensorsExport:
     """Write ``ckpt_url`` (``ROOT`` or ``ROOT/step-N``) as safetensors shards + index in ``out``.
 
-    >>> export_safetensors("ckpts/run1", "hf", select=["model/*"], strip_prefix="model/",
+    ``config`` (a config.json file or dict) or ``config_from`` (a model directory) gives the
+    ``config.json`` to write; without either the export is refused unless ``no_config``.
+    ``select`` defaults to the model's tensors (``hf_names.model_selection``; ``strip_prefix``
+    then defaults to what it strips); wrapper segments (``_orig_mod``, ``module``, ...) are
+    removed unless ``keep_wrappers``; ``rename`` maps each output name. A non-empty ``out`` is
+    refused unless ``overwrite`` (which removes the shards and index found there first).
+
+    >>> export_safetensors("ckpts/run1", "hf", config_from="base-model",
     ...                    dtype="bf16")  # doctest: +SKIP
     """
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
@@ -268,8 +288,22 @@ def export_safetensors(
         else [r if isinstance(r, FuseRule) else FuseRule.parse(r) for r in fuse]
     )
     limit = parse_size(max_shard_size)
+    config_doc = hf_names.config_bytes(config, config_from, no_config)
+    hook = hf_names.rename_function(rename)
     ckpt = open_checkpoint(ckpt_url, storage_options)
-    tensors = plan_tensors(ckpt, select, strip_prefix, dtype, rules)
+    if select is None:
+        select, default_strip = hf_names.model_selection(ckpt.tensor_names())
+        strip_prefix = default_strip if strip_prefix is None else strip_prefix
+    counts = {"stripped": 0, "renamed": 0}
+
+    def names(name: str) -> str:
+        bare = name if keep_wrappers else hf_names.strip_wrappers(name)
+        counts["stripped"] += bare != name
+        new = hook(bare)
+        counts["renamed"] += new != bare
+        return new
+
+    tensors = plan_tensors(ckpt, select, strip_prefix or "", dtype, rules, names)
     shards: list[list[_Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -278,8 +312,9 @@ def export_safetensors(
             size = 0
         shards[-1].append(t)
         size += t.nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     storage = open_storage(out, storage_options)
+    _clear(storage, overwrite)
     slab = slab_bytes or SLAB_BYTES
 
     def content(shard: list[_Tensor], reader: BoxReader) -> Iterator[memoryview | bytes]:
@@ -297,13 +332,35 @@ def export_safetensors(
                 del out
 
     with BoxReader(ckpt) as reader:
-        for shard, file in zip(shards, names, strict=True):
+        for shard, file in zip(shards, files, strict=True):
             storage.write_file(file, content(shard, reader))
         nbytes_read = reader.nbytes_read
     total = sum(t.nbytes for t in tensors)
     index = {
         "metadata": {"total_size": total},
-        "weight_map": {t.name: f for shard, f in zip(shards, names, strict=True) for t in shard},
+        "weight_map": {t.name: f for shard, f in zip(shards, files, strict=True) for t in shard},
     }
+    if config_doc is not None:
+        storage.put_atomic(hf_names.CONFIG, config_doc)
     storage.put_atomic(INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-    return SafetensorsExport(storage.url, ckpt.step, names, len(tensors), total, nbytes_read)
+    return SafetensorsExport(storage.url, ckpt.step, files, len(tensors), total, nbytes_read,
+                             counts["stripped"], counts["renamed"], config_doc is not None)
+
+
+def _clear(storage: Storage, overwrite: bool) -> None:
+    """A non-empty output is refused (stale shards would sit beside the new ones), unless
+    ``overwrite``: then the shards, index and config of an earlier export are removed."""
+    try:
+        present = storage.list_dir("")
+    except FileNotFoundError:
+        return
+    if not present:
+        return
+    if not overwrite:
+        raise CkptdError(f"{storage.url}: not empty ({len(present)} entries, e.g. "
+                         f"{sorted(present)[0]}); export into a new directory, or pass "
+                         "--overwrite to replace an earlier export")
+    ours = [p for p in present if p in (INDEX, hf_names.CONFIG)
+            or re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", p)]
+    for p in ours:
+        storage.remove(p)

@@ -1,0 +1,51 @@
+"""A Hugging Face export that from_pretrained loads bit-exact, with transformers itself: the
+names a ``torch.compile`` d model saves (``_orig_mod.``) are stripped, config.json is written,
+only the model's tensors go out, and an export without config is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.cli import main
+
+pytestmark = pytest.mark.slow
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def test_from_pretrained_of_a_compiled_llama_export_is_bit_exact_with_no_missing_keys(
+        tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(compiled.parameters())
+    compiled(torch.arange(8)[None]).logits.sum().backward()
+    opt.step()
+    sd = compiled.state_dict()
+    assert all(k.startswith("_orig_mod.") for k in sd)
+    with ckptd.Checkpointer(str(tmp_path / "root"), agent=False) as ck:
+        ck.save({"model": sd, "optim": opt.state_dict(), "step": 1})
+    config.save_pretrained(tmp_path / "base")
+    out = tmp_path / "hf"
+    base = ["export", str(tmp_path / "root"), "--format", "safetensors", "--out", str(out)]
+    assert main(base) == 2
+    assert "without config.json" in capsys.readouterr().err and not out.exists()
+    assert main([*base, "--config-from", str(tmp_path / "base")]) == 0
+    said = capsys.readouterr().out
+    assert "+ config.json" in said and "removed wrapper segments" in said
+    loaded, info = LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert (list(info["missing_keys"]), list(info["unexpected_keys"])) == ([], [])
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert main(base + ["--config-from", str(tmp_path / "base")]) == 2  # not empty
+    assert "--overwrite" in capsys.readouterr().err
