@@ -9,8 +9,8 @@ from typing import Any
 
 import multirank
 import pytest
-import torch
 import titan_job
+import torch
 
 from ckptd.cli import main
 

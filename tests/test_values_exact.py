@@ -9,11 +9,11 @@ import pickle
 
 import pytest
 import torch
+from test_save_load import save_as_ranks
 
 import ckptd
 from ckptd.errors import CorruptCheckpoint, StateMismatch
 from ckptd.manifest import layout as L
-from test_save_load import save_as_ranks
 
 
 class _Tripwire:

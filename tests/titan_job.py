@@ -69,7 +69,6 @@ def build(rank: int, world: int, folder: str, manager: str, **checkpoint: Any) -
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-    from ckptd.integrations.torchtitan import CkptdCheckpointManager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8))
