@@ -17,6 +17,7 @@ from ckptd.cli import main as cli_main
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import layout as L
 from ckptd.manifest import schema
+from ckptd.manifest.envelope import VERSION
 from ckptd.manifest.parse import PREFIX_BYTES, decode, head, lead
 from ckptd.storage.local import LocalStorage
 
@@ -195,7 +196,7 @@ def test_a_damaged_head_of_format_1_or_2_is_refused_naming_the_manifest(tmp_path
 def test_a_lead_of_a_newer_version_is_refused_naming_both(tmp_path):
     raw = _raw(_save(str(tmp_path / "r")), 4)
     doc = schema.encode_doc({**decode(raw, "m").to_json(), "version": 99})
-    with pytest.raises(CorruptCheckpoint, match=r"^m: format version 99 is newer .*\(3\)"):
+    with pytest.raises(CorruptCheckpoint, match=rf"^m: format version 99 is newer .*\({VERSION}\)"):
         lead(doc[:PREFIX_BYTES], "m")
 
 
