@@ -28,7 +28,7 @@ from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import as_storage
-from ckptd.world import agree_attempt_base, agree_run_id, from_rank0, resolve_world
+from ckptd.world import agree_attempt_base, agree_run_id, resolve_world
 from ckptd.writer import exiting
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import InProcess
@@ -285,7 +285,7 @@ class Checkpointer:
             if tier is not None:  # what the node agent holds, in front of the storage
                 reader = Reader(tier, self.rank, self.world_size, self._io)
             result = (reader.load_named(described, step, strict) if step is not None
-                      else reader.load_newest(described, strict, self._agreed_latest))
+                      else reader.load_newest(described, strict))
         if tier is not None:
             result = dataclasses.replace(result,
                                          nbytes_from_memory=tier.served - tier.served_peer,
@@ -293,8 +293,6 @@ class Checkpointer:
         self._last_step = max(self._last_step or result.step, result.step)
         return result
 
-    def _agreed_latest(self) -> int | None:
-        return from_rank0(self.latest_step)  # rank 0 looks, every rank loads the same step
 
 
 def _drain_at_exit() -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckptd import config, errors
+from ckptd import config
 from ckptd.errors import CkptdError, StateMismatch
 from ckptd.interop.dcp_format import (
     DcpChunk,
@@ -47,9 +47,10 @@ from ckptd.interop.dcp_format import (
 from ckptd.interop.source import by_budget
 from ckptd.regions import Box, copy_region
 from ckptd.reshard.committed import LoadResult
+from ckptd.reshard.load import aborted, agree
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe, put_values
 from ckptd.storage import Storage, open_storage
-from ckptd.world import fail_together, gather_object, resolve_world
+from ckptd.world import fail_together, resolve_world
 
 __all__ = ["is_dcp", "load_dcp", "load_from_dcp"]
 
@@ -202,34 +203,19 @@ def load_dcp(
 def _check(
     storage: Storage, state: Any, rank: int, world_size: int, strict: bool, trust: bool
 ) -> tuple[DcpIndex, Described, _Plan]:
-    """Step 1 on every rank; raises the same error class on all ranks when any rank fails."""
+    """Step 1 on every rank, the main loader's rules (:func:`ckptd.reshard.load.agree`): the
+    same error class on all ranks when any rank fails, then every rank's problems and, under
+    ``strict``, the saved tensors no rank asks for (an O(T) union, not every rank's names)."""
     error: BaseException | None = None
-    asked: list[str] = []
-    problems: list[str] = []
     try:
         index = read_index(storage, trust=trust)
         described = describe(state, rank, world_size)
-        asked = sorted({p.name for p in described.pieces})
         plan, problems = _plan(index, described, strict)
-    except Exception as e:  # noqa: BLE001 - every rank must reach the gather
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
         error = e
-    failure = None if error is None else (type(error).__name__, str(error))
-    gathered = gather_object((asked, problems, failure))
-    if error is not None:
-        raise error
-    for r, (_, _, f) in enumerate(gathered):
-        if f is not None:
-            raise _remote(r, *f)
-    many = len(gathered) > 1
-    problems = [
-        f"rank {r}: {m}" if many else m for r, (_, ps, _) in enumerate(gathered) for m in ps
-    ]
-    if strict and (many or world_size == 1):
-        everyone = set().union(*(set(names) for names, _, _ in gathered))
-        unasked = sorted(set(index.tensors) - everyone)
-        problems += [f"{n}: saved but not in the destination state (strict=True)" for n in unasked]
-    if problems:
-        raise StateMismatch(f"{storage.url}: {_summary(problems)}")
+    fail_together(error, _remote)
+    agree(sorted(index.tensors), {p.name for p in described.pieces}, problems, strict,
+          world_size, storage.url)
     return index, described, plan
 
 
@@ -285,17 +271,7 @@ def _copy(copies: list[_Placement], data: dict[Item, torch.Tensor]) -> None:
 
 
 def _remote(rank: int, kind: str, message: str) -> CkptdError:
-    cls = getattr(errors, kind, None)
-    if kind == UntrustedPickle.__name__:
-        cls = UntrustedPickle
-    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
-        cls = errors.CorruptCheckpoint
-    return cls(f"load aborted on every rank: rank {rank} failed: {message}")
-
-
-def _summary(problems: list[str], limit: int = 8) -> str:
-    more = f"; ... and {len(problems) - limit} more" if len(problems) > limit else ""
-    return "; ".join(problems[:limit]) + more
+    return aborted(rank, kind, message, known=(UntrustedPickle,))
 
 
 def load_from_dcp(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from ckptd.manifest import layout
 from ckptd.reshard.load import load_into
 from ckptd.sharding import Described
 from ckptd.storage import Storage
+from ckptd.world import from_rank0
 
 log = logging.getLogger("ckptd")
 
@@ -85,12 +85,11 @@ class Reader:
                 ) from e
             raise
 
-    def load_newest(self, described: Described, strict: bool,
-                    newest: Callable[[], int | None]) -> LoadResult:
-        """The newest committed step (``newest()``, agreed by every rank), retried once when
-        retention removed it while it was being read."""
+    def load_newest(self, described: Described, strict: bool) -> LoadResult:
+        """The newest committed step in commit order (rank 0 looks, every rank loads the same
+        step), retried once when retention removed it while it was being read."""
         for last_try in (False, True):
-            step = newest()
+            step = from_rank0(self.newest)
             if step is None:
                 raise CheckpointNotFound(f"{self.storage.url}: no committed checkpoint")
             try:
@@ -101,6 +100,11 @@ class Reader:
                 log.warning("ckptd: step %d was removed by retention while being read; "
                             "loading the newest step", step)
         raise AssertionError("unreachable")
+
+    def newest(self) -> int | None:
+        """The newest committed step in commit order (``docs/format.md``), None if none."""
+        last = catalog.newest(self.storage)
+        return None if last is None else last.step
 
     def rotated_away(self, step: int) -> bool:
         """Whether ``step`` stopped being committed."""

@@ -26,9 +26,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
-from ckptd import config
-from ckptd.errors import CorruptCheckpoint, StateMismatch
+from ckptd import config, errors
+from ckptd.errors import CkptdError, CorruptCheckpoint, StateMismatch
 from ckptd.manifest import Manifest
 from ckptd.reshard import direct, read_once
 from ckptd.reshard.plan import LoadPlan, Range, plan_load
@@ -74,9 +75,40 @@ def last_stats() -> LoadStats | None:
     return getattr(_last, "stats", None)
 
 
-def _summary(problems: list[str], limit: int = 8) -> str:
+def summary(problems: list[str], limit: int = 8) -> str:
+    """Problems in one line: the first ``limit``, and how many more."""
     more = f"; ... and {len(problems) - limit} more" if len(problems) > limit else ""
     return "; ".join(problems[:limit]) + more
+
+
+def agree(saved: list[str], asked: set[str], problems: list[str], strict: bool,
+          world_size: int, where: str) -> None:
+    """The end of a load's check, on every rank of every loader (a ckptd checkpoint, a DCP
+    directory): whether any rank asks for each of ``saved`` (the same list everywhere; an O(T)
+    union, :func:`_union_of_asks`), every rank's ``problems`` once any rank has one, and under
+    ``strict`` the saved tensors no rank asks for. Raises :class:`StateMismatch` naming
+    ``where``, on every rank alike, before anything is touched."""
+    wanted, anyone_failed, ranks = _union_of_asks(saved, asked, bool(problems))
+    if anyone_failed:
+        gathered = gather_object(problems)
+        problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
+                    for r, probs in enumerate(gathered) for msg in probs]
+    if strict and (ranks > 1 or world_size == 1):
+        problems += [f"{n}: saved but not in the destination state (strict=True)"
+                     for n, w in zip(saved, wanted, strict=True) if not w]
+    if problems:
+        raise StateMismatch(f"{where}: {summary(problems)}")
+
+
+def aborted(rank: int, kind: str, message: str,
+            known: tuple[type[CkptdError], ...] = ()) -> CkptdError:
+    """The error every rank raises when rank ``rank`` failed a load (``kind``: its class's
+    name): that class when it is one of ckptd's errors (or of ``known``), else
+    :class:`CorruptCheckpoint`."""
+    cls: Any = next((k for k in known if k.__name__ == kind), None) or getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptdError)):
+        cls = CorruptCheckpoint
+    return cls(f"load aborted on every rank: rank {rank} failed: {message}")  # type: ignore[no-any-return]
 
 
 def check(manifest: Manifest, described: Described, rank: int, strict: bool,
@@ -104,16 +136,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
                 problems.append(f"{key}: value missing from the checkpoint")
     asked = {p.name for p in described.pieces if not p.name.startswith(f"{LOCAL_PREFIX}/")}
     saved = sorted(n for n in manifest.tensors if not n.startswith(f"{LOCAL_PREFIX}/"))
-    wanted, anyone_failed, ranks = _union_of_asks(saved, asked, bool(problems))
-    if anyone_failed:
-        gathered = gather_object(problems)
-        problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
-                    for r, probs in enumerate(gathered) for msg in probs]
-    if strict and (ranks > 1 or world_size == 1):
-        problems += [f"{n}: saved but not in the destination state (strict=True)"
-                     for n, w in zip(saved, wanted, strict=True) if not w]
-    if problems:
-        raise StateMismatch(f"step {manifest.step}: {_summary(problems)}")
+    agree(saved, asked, problems, strict, world_size, f"step {manifest.step}")
     return pieces
 
 
@@ -176,7 +199,8 @@ def kept_suffix(ranges: list[Range], buffers: Buffers, threads: int, remote: boo
     return kept
 
 
-def _aborted(rank: int, kind: str, message: str) -> CorruptCheckpoint:
+def _corrupt(rank: int, kind: str, message: str) -> CkptdError:
+    """A read that failed on one rank: every rank raises CorruptCheckpoint naming it."""
     return CorruptCheckpoint(f"load aborted on every rank: rank {rank} failed: {message}")
 
 
@@ -233,7 +257,7 @@ def load_into(
             error = e
         clock("read")
         try:
-            fail_together(error, _aborted)
+            fail_together(error, _corrupt)
         except BaseException:
             _free(held, plan.ranges, buffers)
             raise
