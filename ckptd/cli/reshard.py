@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
@@ -81,28 +80,22 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from ckptd.elastic.reshard import reshard
+    from ckptd.elastic.reshard import plan_reshard
 
     if not args.dry_run and not args.out:
         raise ValueError("--out DEST is required (or --dry-run)")
-    bars = []
-
-    def bar(total: int, dry_run: bool) -> Callable[[int], None]:
-        bars.append(progress(total, "plan" if dry_run else "reshard"))
-        return bars[-1].update  # type: ignore[no-any-return]
-
+    plan = plan_reshard(args.ckpt, args.to_world, tp=args.tp, pp=args.pp, zero=args.zero,
+                        layout=args.layout, storage_options=args.storage_options,
+                        threads=args.threads, budget=args.budget,
+                        compression=args.compression, mem_limit_gib=args.mem_limit_gib,
+                        max_micro_batch_size=args.max_micro_batch_size,
+                        tolerance=args.tolerance)
+    bar = progress(plan.total_bytes, "plan" if args.dry_run else "reshard")
     try:
-        r = reshard(args.ckpt, args.to_world, out=args.out, dry_run=args.dry_run, tp=args.tp,
-                    pp=args.pp, zero=args.zero, layout=args.layout,
-                    storage_options=args.storage_options,
-                    out_storage_options=args.out_storage_options, threads=args.threads,
-                    budget=args.budget, compression=args.compression,
-                    mem_limit_gib=args.mem_limit_gib,
-                    max_micro_batch_size=args.max_micro_batch_size, tolerance=args.tolerance,
-                    progress=bar)
+        r = (plan.dry_run(bar.update) if args.dry_run else
+             plan.run(args.out, args.out_storage_options, bar.update))
     finally:
-        for b in bars:
-            b.close()
+        bar.close()
     if r.replanned is not None:
         print(r.replanned.table, file=sys.stderr if args.json else sys.stdout)
     out: dict[str, Any] = {"dry_run": r.dry_run}

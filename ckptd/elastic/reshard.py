@@ -85,35 +85,61 @@ class Resharded:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = False,
-            tp: int | None = None, pp: int | None = None, zero: int | None = None,
-            layout: str | LayoutSpec | None = None,
-            storage_options: dict[str, Any] | None = None,
-            out_storage_options: dict[str, Any] | None = None, threads: int | None = None,
-            budget: int | None = None, compression: str = "same",
-            mem_limit_gib: float | None = None, max_micro_batch_size: int | None = None,
-            tolerance: float | None = None,
-            progress: Callable[[int, bool], Callable[[int], None]] | None = None) -> Resharded:
-    """Rewrite the committed checkpoint ``ckpt`` (a root: its newest step, or
-    ``ROOT/step-NNNNNNNNN``) packed per rank of a world of ``world`` ranks, committed under
-    the new root ``out`` (which must not be a ckptd root already: taking one over would fail
-    the job writing there). ``dry_run``: plan only (per target rank: bytes to read, ranges,
-    peak memory). The target layout: a layout file (``layout``), else inferred from the
-    checkpoint for ``tp``/``pp``/``zero`` (``ckptd layout`` writes the same). An elastic run's
-    batch settings are re-planned for ``world`` (``mem_limit_gib``, ``max_micro_batch_size``,
-    ``tolerance`` override its policy) and the ZeRO stage follows them unless ``zero`` is
-    given. ``progress(total_bytes, dry_run)`` returns what is called with each rank's bytes."""
+class ReshardPlan:
+    """A planned reshard (:func:`plan_reshard`): what it will read and write, per target rank;
+    :meth:`dry_run` or :meth:`run`."""
+
+    def __init__(self, resharder: Any, result: Resharded, manifest: Manifest,
+                 storage_options: dict[str, Any] | None) -> None:
+        self._resharder, self._result, self._manifest = resharder, result, manifest
+        self._storage_options = storage_options  # the destination's, unless given
+        self.total_bytes = sum(p.write_bytes for p in resharder.plans)  # to write
+
+    def dry_run(self, on_bytes: Callable[[int], None] | None = None) -> Resharded:
+        """Per target rank: bytes to read, ranges, peak memory; nothing written."""
+        self._resharder.on_bytes = on_bytes
+        self._result.reports = self._resharder.dry_run()
+        return self._result
+
+    def run(self, out: str, out_storage_options: dict[str, Any] | None = None,
+            on_bytes: Callable[[int], None] | None = None) -> Resharded:
+        """Write and commit under the new root ``out`` (which must not be a ckptd root
+        already: taking one over would fail the job writing there). ``on_bytes``: called with
+        each rank's bytes as they are written (a progress bar's update)."""
+        from ckptd.storage import open_storage
+
+        r, m = self._result, self._manifest
+        self._resharder.on_bytes = on_bytes
+        self._resharder.dest = open_storage(out, out_storage_options or self._storage_options)
+        training = r.replanned.training if r.replanned is not None else dict(m.training)
+        new, r.reports = self._resharder.run(training)
+        r.dry_run = False
+        r.url = f"{self._resharder.dest.url}/step-{new.step:09d}"
+        r.attempt, r.nbytes = new.attempt, new.nbytes
+        r.source_bytes_read = self._resharder.source_bytes_read
+        return r
+
+
+def plan_reshard(ckpt: str, world: int, *, tp: int | None = None, pp: int | None = None,
+                 zero: int | None = None, layout: str | LayoutSpec | None = None,
+                 storage_options: dict[str, Any] | None = None, threads: int | None = None,
+                 budget: int | None = None, compression: str = "same",
+                 mem_limit_gib: float | None = None, max_micro_batch_size: int | None = None,
+                 tolerance: float | None = None) -> ReshardPlan:
+    """Plan rewriting the committed checkpoint ``ckpt`` (a root: its newest step, or
+    ``ROOT/step-NNNNNNNNN``) packed per rank of a world of ``world`` ranks. The target layout:
+    a layout file (``layout``), else inferred from the checkpoint for ``tp``/``pp``/``zero``
+    (``ckptd layout`` writes the same). An elastic run's batch settings are re-planned for
+    ``world`` (``mem_limit_gib``, ``max_micro_batch_size``, ``tolerance`` override its policy)
+    and the ZeRO stage follows them unless ``zero`` is given."""
     from ckptd.catalog import open_step
     from ckptd.reshard.infer import infer_layout
     from ckptd.reshard.layout_file import read_layout
     from ckptd.reshard.offline import Resharder
     from ckptd.reshard.targets import Resolver
-    from ckptd.storage import open_storage
 
     if world < 1:
         raise ValueError(f"the world size must be at least 1, got {world}")
-    if not dry_run and not out:
-        raise ValueError("reshard: give the new root (out) or ask for a dry run")
     storage, step, manifest = open_step(ckpt, storage_options)
     replanned = replan_training(manifest.training, manifest, world, zero=zero,
                                 mem_limit_gib=mem_limit_gib,
@@ -133,21 +159,24 @@ def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = Fa
         budget=budget or config.get().load_budget_bytes,
         threads=threads or config.io_threads(),
         replicate_small=config.get().replicate_small_bytes, compression=compression)
-    if progress is not None:
-        resharder.on_bytes = progress(sum(p.write_bytes for p in resharder.plans), dry_run)
-    result = Resharded(storage.url, step, world, spec.tp, spec.pp, assignment.dp,
-                       spec.zero.stage, [], replanned, dry_run)
+    plan = ReshardPlan(resharder, Resharded(storage.url, step, world, spec.tp, spec.pp,
+                                            assignment.dp, spec.zero.stage, [], replanned,
+                                            True), manifest, storage_options)
+    return plan
+
+
+def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = False,
+            out_storage_options: dict[str, Any] | None = None, **options: Any) -> Resharded:
+    """Rewrite the committed checkpoint ``ckpt`` for a world of ``world`` ranks and commit it
+    under the new root ``out`` (:func:`plan_reshard` for the ``options``, then
+    :meth:`ReshardPlan.run`); ``dry_run``: plan only (:meth:`ReshardPlan.dry_run`)."""
+    if not dry_run and not out:
+        raise ValueError("reshard: give the new root (out) or ask for a dry run")
+    plan = plan_reshard(ckpt, world, **options)
     if dry_run:
-        result.reports = resharder.dry_run()
-        return result
+        return plan.dry_run()
     assert out is not None
-    resharder.dest = open_storage(out, out_storage_options or storage_options)
-    training = replanned.training if replanned is not None else dict(manifest.training)
-    new, result.reports = resharder.run(training)
-    result.url = f"{resharder.dest.url}/step-{new.step:09d}"
-    result.attempt, result.nbytes = new.attempt, new.nbytes
-    result.source_bytes_read = resharder.source_bytes_read
-    return result
+    return plan.run(out, out_storage_options)
 
 
-__all__ = ["Replanned", "Resharded", "replan_training", "reshard"]
+__all__ = ["Replanned", "ReshardPlan", "Resharded", "plan_reshard", "replan_training", "reshard"]
