@@ -52,7 +52,7 @@ _LEFT = re.compile(r"rank 0 step \d+: stopped with (\d+) of (\d+) bytes to write
 def _holds(spec: dict, node: str, agent_dir: str) -> bool:
     c = AgentClient.connect(spec, threads=1, start=False, node=node, directory=agent_dir)
     try:
-        return any("/r00000" in p for p in c.kept().files)
+        return any("/r00000" in p for p in c.held().files)
     finally:
         c.close()
 

@@ -153,7 +153,7 @@ def _load_rank(rank: int, world: int, method: str, path: str, specs: list[Any], 
 
     import ckptd
     from ckptd import config
-    from ckptd.reshard.load import last_stats
+    from ckptd.loader.load import last_stats
 
     torch.set_num_threads(1)
     read_once = knobs.get("read_once")
@@ -296,9 +296,9 @@ def unit_table(root: str, threads: tuple[int, ...] = (1, 2, 4)) -> list[dict[str
     """ckptd's reader (ranged reads + checksums) over one rank's files, cold, by read unit."""
     import ckptd
     from ckptd import config
-    from ckptd.reshard.plan import coalesce
-    from ckptd.reshard.reader import Buffers, StepFiles, run_ranges
-    from ckptd.reshard.verify import whole_chunk_reads
+    from ckptd.loader.fetch import Buffers, StepFiles, run_ranges
+    from ckptd.loader.plan import coalesce
+    from ckptd.loader.verify import whole_chunk_reads
 
     with ckptd.Checkpointer(root, read_only=True) as ck:
         storage, m = ck.storage, ck.read_manifest(1)

@@ -54,8 +54,8 @@ import torch  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd import catalog, config  # noqa: E402
+from ckptd.loader.load import last_stats  # noqa: E402
 from ckptd.manifest import layout as L  # noqa: E402
-from ckptd.reshard.load import last_stats  # noqa: E402
 from ckptd.storage.local import LocalStorage  # noqa: E402
 from ckptd.writer import commit  # noqa: E402
 

@@ -21,7 +21,7 @@ _EXPORTS = {
     "save_async": "ckptd.api",
     "wait": "ckptd.api",
     "Checkpointer": "ckptd.checkpointer",
-    "LoadResult": "ckptd.reshard.committed",
+    "LoadResult": "ckptd.loader.reader",
     "on_preemption": "ckptd.elastic.preemption",
     "reshard": "ckptd.elastic.reshard",
     "preempted": "ckptd.elastic.preemption",
@@ -96,6 +96,6 @@ if TYPE_CHECKING:
         StateMismatch,
         StorageError,
     )
-    from ckptd.reshard.committed import LoadResult
+    from ckptd.loader.reader import LoadResult
     from ckptd.sharding import FlatShard, Fused, Local, Shard
     from ckptd.writer.handle import SaveHandle, SaveResult

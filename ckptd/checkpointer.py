@@ -1,6 +1,6 @@
 """The Checkpointer: the face of one root for one rank — its configuration, ``describe``,
 the hand-off of saves to the save path (:class:`ckptd.writer.save.Saver`) and loading
-(:class:`ckptd.reshard.committed.Reader`). No collectives happen after ``__init__`` on the save
+(:class:`ckptd.loader.reader.Reader`). No collectives happen after ``__init__`` on the save
 path.
 """
 
@@ -23,8 +23,8 @@ from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for
 from ckptd.agent.load_tier import memory_tier
 from ckptd.errors import CkptdError
+from ckptd.loader.reader import LoadResult, Reader
 from ckptd.manifest import Manifest, layout
-from ckptd.reshard.committed import LoadResult, Reader
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import as_storage

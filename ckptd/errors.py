@@ -12,7 +12,7 @@
     ├── UntrustedPickle (PermissionError)     a DCP ``.metadata`` pickle, read only with trust=True
     │                                         (``ckptd.interop.dcp_format``)
     ├── LayoutError (ValueError)              a layout file for ``ckptd reshard`` is invalid
-    │                                         (``ckptd.reshard.layout_file``)
+    │                                         (``ckptd.loader.layout_file``)
     ├── InvalidSpec (ValueError)              a TrainingSpec/ModelSpec is inconsistent
     │                                         (``ckptd.elastic.specs``)
     ├── NoFeasiblePlan (ValueError)           no batch setting fits the tolerance and memory

@@ -458,7 +458,7 @@ def _client_of(root: str, node: str) -> AgentClient:
 def _holds_step(root: str, node: str, rank: int, step: int) -> bool:
     c = _client_of(root, node)
     try:
-        return any(f"step-{step:09d}/" in p and f"/r{rank:05d}" in p for p in c.kept().files)
+        return any(f"step-{step:09d}/" in p and f"/r{rank:05d}" in p for p in c.held().files)
     finally:
         c.close()
 
@@ -489,7 +489,7 @@ def test_a_step_that_never_commits_does_not_push_the_committed_one_out_of_memory
 def _holds(root: str, node: str, rank: int) -> bool:
     c = _client_of(root, node)
     try:
-        return any(f"/r{rank:05d}" in p for p in c.kept().files)
+        return any(f"/r{rank:05d}" in p for p in c.held().files)
     finally:
         c.close()
 
@@ -640,7 +640,7 @@ def test_a_peer_without_the_job_secret_is_refused(tmp_path, agents, monkeypatch,
     wait_until(lambda: "refused a peer" in agents.log(), 10, "the agent's log line")
     c = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
     try:
-        assert all("step-000000099" not in p for p in c.kept().files)
+        assert all("step-000000099" not in p for p in c.held().files)
     finally:
         c.close()
 
@@ -678,7 +678,7 @@ def test_a_peer_copy_that_arrives_damaged_is_not_kept(tmp_path, agents, monkeypa
         reply = _send_as_peer(me, root, 98, damaged, digest_of=sent)
         assert not reply["ok"] and "damaged" in reply["error"]
         assert _send_as_peer(me, root, 99, sent, digest_of=sent)["ok"]  # the control
-        held = on_a.kept().files
+        held = on_a.held().files
         assert not any("step-000000098" in p for p in held)
         assert any("step-000000099" in p for p in held)
         # the damaged copy's memory went back: one peer segment left, step 99's
@@ -785,7 +785,7 @@ def test_a_step_a_load_is_reading_is_not_given_back_to_its_trainer(tmp_path, age
     with ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, keep_last=0) as c:
         c.save(_big(1))
         reader = AgentClient.connect({"url": root, "options": None}, threads=1, start=False)
-        held = reader.kept()  # a load in another process holds step 1
+        held = reader.held()  # a load in another process holds step 1
         files, lease = held.files, held.lease
         before = {p: bytes(m) for p, m in files.items()}
         for step in (2, 3, 4):  # step 1's arena is dropped from memory but stays pinned

@@ -257,7 +257,7 @@ def test_a_connection_flood_neither_takes_the_peer_port_down_nor_stops_the_agent
                 return False
 
         wait_until(copied, 30, "a peer copy after the flood")
-        assert any("step-000000099" in p for p in on_a.kept().files)
+        assert any("step-000000099" in p for p in on_a.held().files)
         on_a.close()
         assert alive(agent.pid)
         log = agents.log()

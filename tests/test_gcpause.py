@@ -9,7 +9,7 @@ import torch
 
 import ckptd
 from ckptd import catalog, gcpause
-from ckptd.reshard import committed
+from ckptd.loader import reader as step_reader
 from ckptd.writer import commit
 
 
@@ -29,7 +29,7 @@ def test_decoding_runs_with_the_collector_paused_and_it_comes_back_as_it_was(tmp
     seen: list[tuple[str, bool]] = []
     _watch(monkeypatch, commit, "merge", seen)  # the coordinator's thousand partials
     _watch(monkeypatch, catalog, "read_manifest", seen)  # a load's manifest
-    _watch(monkeypatch, committed, "load_into", seen)  # and its plan
+    _watch(monkeypatch, step_reader, "load_into", seen)  # and its plan
     state = {f"w{i}": torch.full((64,), float(i)) for i in range(5)}
     # in process, whichever executor the suite runs: the merge watched is this process's
     with ckptd.Checkpointer(str(tmp_path), agent=False) as c:
@@ -69,7 +69,7 @@ def test_overlapping_pauses_of_two_threads_end_with_the_last():
 
 def test_the_offline_reshard_runs_with_the_collector_paused(tmp_path, monkeypatch):
     from ckptd.cli import main as cli_main
-    from ckptd.reshard import offline
+    from ckptd.elastic import resharder as offline
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     state = {"w": torch.arange(64.0)}

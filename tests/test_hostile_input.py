@@ -18,11 +18,11 @@ import ckptd
 from ckptd import catalog, config
 from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
+from ckptd.loader.verify import verify
 from ckptd.manifest import layout as L
 from ckptd.manifest.envelope import seal
 from ckptd.manifest.parse import decode, whole_doc
 from ckptd.manifest.schema import encode_doc
-from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalStorage
 
 N = 4096  # elements of each 1-D tensor

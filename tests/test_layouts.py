@@ -16,11 +16,11 @@ import transformer_state as ts
 from transformer_state import LAYOUTS, Layout
 
 from ckptd.cli import main
+from ckptd.loader.infer import infer_layout
+from ckptd.loader.layout_file import LayoutError, dumps, from_doc, parse_layout
+from ckptd.loader.targets import Resolver, resolve, split_dim
 from ckptd.manifest import Manifest, TensorEntry
 from ckptd.regions import Box
-from ckptd.reshard.infer import infer_layout
-from ckptd.reshard.layout_file import LayoutError, dumps, from_doc, parse_layout
-from ckptd.reshard.targets import Resolver, resolve, split_dim
 from ckptd.sharding import describe, local_name
 
 ZERO_GROUPS = [{"match": "model/*", "kind": "params"},

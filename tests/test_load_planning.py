@@ -18,11 +18,8 @@ from hypothesis import strategies as st
 
 import ckptd
 from ckptd import config
-from ckptd.manifest import Chunk, FrameTable, Manifest, TensorEntry
-from ckptd.manifest import layout as L
-from ckptd.regions import Box
-from ckptd.reshard.load import last_stats
-from ckptd.reshard.plan import (
+from ckptd.loader.load import last_stats
+from ckptd.loader.plan import (
     ChunkIndex,
     Read,
     chunk_order,
@@ -30,6 +27,9 @@ from ckptd.reshard.plan import (
     frame_intervals,
     plan_load,
 )
+from ckptd.manifest import Chunk, FrameTable, Manifest, TensorEntry
+from ckptd.manifest import layout as L
+from ckptd.regions import Box
 from ckptd.sharding import Piece
 
 
@@ -233,8 +233,8 @@ def test_a_remote_load_reads_larger_ranges_and_still_holds_at_most_the_budget(
     ``remote_unit_bytes``, capped at a quarter of the budget: 4 x fewer ranges than a local load
     with the same tunables, and the reader's memory (counted and traced) stays within the budget.
     """
-    from ckptd.reshard.load import unit_bytes
-    from ckptd.reshard.reader import Buffers
+    from ckptd.loader.fetch import Buffers
+    from ckptd.loader.load import unit_bytes
     from ckptd.storage import LocalStorage
     from ckptd.storage.fsspec_backend import FsspecStorage
 

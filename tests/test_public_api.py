@@ -104,3 +104,27 @@ def test_every_ckptd_setting_is_read_in_config_py_alone():
              if p.name != "config.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if read.search(line)]
     assert found == []
+
+
+def test_no_submodule_shadows_a_public_name():
+    """Importing a subpackage sets it as an attribute of ``ckptd``: a package named like a public
+    function (``ckptd.reshard``, ``ckptd.load``) would replace the function for everyone once
+    anything imported it. Every module is imported first, in a fresh interpreter, and each public
+    name must still be what its module defines."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, pkgutil, ckptd
+for m in pkgutil.walk_packages(ckptd.__path__, "ckptd."):
+    if m.name.startswith(("ckptd.integrations.", "ckptd.agent.__main__", "ckptd.cli.__main__")):
+        continue  # needs a framework installed / runs a command
+    importlib.import_module(m.name)
+bad = [n for n, mod in ckptd._EXPORTS.items()
+       if getattr(ckptd, n) is not getattr(importlib.import_module(mod), n)]
+print("shadowed:", bad)
+assert not bad, bad
+assert callable(ckptd.reshard) and callable(ckptd.load)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -17,11 +17,11 @@ import torch
 import ckptd
 from ckptd import catalog
 from ckptd.cli import main
+from ckptd.elastic import waves
 from ckptd.hostarray import HostArray
+from ckptd.loader.infer import infer_layout
+from ckptd.loader.targets import Target
 from ckptd.regions import Box
-from ckptd.reshard import waves
-from ckptd.reshard.infer import infer_layout
-from ckptd.reshard.targets import Target
 from ckptd.storage import LocalStorage
 from ckptd.writer.pipeline import runs_within
 

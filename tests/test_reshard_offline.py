@@ -37,9 +37,9 @@ from transformer_state import LAYOUTS, build_state
 import ckptd
 import ckptd.config
 from ckptd.cli import main
+from ckptd.loader.load import last_stats
 from ckptd.manifest import decode
 from ckptd.manifest import layout as L
-from ckptd.reshard.load import last_stats
 from ckptd.storage import open_storage
 
 RUN_TIMEOUT_S = 150.0

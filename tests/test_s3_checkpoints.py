@@ -440,7 +440,7 @@ def test_an_s3_load_reads_whole_data_objects_and_within_a_small_budget_stays_in_
     """The remote read unit: with the default budget every data object is one range (fetched by
     GETs of 16 KiB here, through 10 % faults); with a 64 KiB budget the ranges shrink to a
     quarter of it and the reader holds at most the budget. Bit-exact both ways."""
-    from ckptd.reshard.load import last_stats
+    from ckptd.loader.load import last_stats
 
     storage = s3_bucket.storage(proxy.endpoint_url, max_attempts=8, read_part_bytes=16 << 10)
     state = full_state(5)

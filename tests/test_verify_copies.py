@@ -10,8 +10,8 @@ import torch
 
 import ckptd
 from ckptd import catalog
+from ckptd.loader.verify import verify
 from ckptd.manifest import layout as L
-from ckptd.reshard.verify import verify
 from ckptd.storage.local import LocalReadSession, LocalStorage
 
 K = 16  # copies of the middle rows

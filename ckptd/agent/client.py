@@ -208,13 +208,13 @@ class AgentClient:
                     "job": job})
         return _Ticket(done)
 
-    def kept(self) -> Held:
+    def held(self) -> Held:
         """The data files of this root that the agent holds in memory (every rank of this node,
         its newest steps, peer copies), mapped read-only and pinned until :meth:`unpin`."""
         maps: dict[str, memoryview] = {}
         out: dict[str, memoryview] = {}
         copies: set[str] = set()
-        reply = self._request({"op": "kept", "storage": self._storage})
+        reply = self._request({"op": "held", "storage": self._storage})
         for path, segment, start, end, origin in reply["files"]:
             try:
                 mem = maps.get(segment) or maps.setdefault(segment, map_readonly(segment))

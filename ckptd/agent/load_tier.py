@@ -38,7 +38,7 @@ def memory_tier(offload: AgentClient | None, storage: Storage, spec: dict[str, A
     held, source = None, offload
     if source is not None and source.alive:
         try:
-            held = source.kept()
+            held = source.held()
         except (CkptdError, OSError) as e:
             log.warning("ckptd: rank %d: the node agent's memory is not readable: %s", rank, e)
     files = held.files if held is not None else {}

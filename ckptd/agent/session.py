@@ -174,13 +174,13 @@ class Session:
             threading.Thread(target=self._drained,
                              args=(rid, str(msg["run"]), float(msg["timeout_s"])),
                              daemon=True).start()
-        elif op == "kept":  # a load: what memory holds, pinned until "unpin" (or we end)
+        elif op == "held":  # a load: what memory holds, pinned until "unpin" (or we end)
             files, pinned = self.agent.holdings.pin_files(msg["storage"])
             self._next_lease += 1
             self._leases[self._next_lease] = pinned
             server = self.agent.peer_side.server
             address = server.address if server is not None else None
-            self.reply({"id": rid, "op": "kept", "files": files, "lease": self._next_lease,
+            self.reply({"id": rid, "op": "held", "files": files, "lease": self._next_lease,
                         "address": address})
         elif op == "unpin":
             for k in self._leases.pop(int(msg["lease"]), []):

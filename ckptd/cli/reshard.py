@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
 
 if TYPE_CHECKING:
-    from ckptd.reshard.offline import RankReport
+    from ckptd.elastic.resharder import RankReport
 
 
 def register(add: Add) -> None:
@@ -49,9 +49,9 @@ def register(add: Add) -> None:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from ckptd.reshard.infer import infer_layout
-    from ckptd.reshard.layout_file import dumps
-    from ckptd.reshard.targets import Resolver
+    from ckptd.loader.infer import infer_layout
+    from ckptd.loader.layout_file import dumps
+    from ckptd.loader.targets import Resolver
 
     storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
     spec = infer_layout(manifest, args.tp, args.pp, args.zero)

@@ -129,7 +129,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptd import config
-    from ckptd.reshard.verify import verify
+    from ckptd.loader.verify import verify
 
     storage, step, m = open_ckpt(args.ckpt, args.storage_options)
     bar = progress(m.nbytes, "verify")

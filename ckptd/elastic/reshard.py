@@ -29,8 +29,8 @@ from ckptd.elastic.table import plan_table, render_markdown
 from ckptd.manifest import Manifest
 
 if TYPE_CHECKING:
-    from ckptd.reshard.layout_file import LayoutSpec
-    from ckptd.reshard.offline import RankReport
+    from ckptd.elastic.resharder import RankReport
+    from ckptd.loader.layout_file import LayoutSpec
 
 
 @dataclass
@@ -133,10 +133,10 @@ def plan_reshard(ckpt: str, world: int, *, tp: int | None = None, pp: int | None
     ``world`` (``mem_limit_gib``, ``max_micro_batch_size``, ``tolerance`` override its policy)
     and the ZeRO stage follows them unless ``zero`` is given."""
     from ckptd.catalog import open_step
-    from ckptd.reshard.infer import infer_layout
-    from ckptd.reshard.layout_file import read_layout
-    from ckptd.reshard.offline import Resharder
-    from ckptd.reshard.targets import Resolver
+    from ckptd.elastic.resharder import Resharder
+    from ckptd.loader.infer import infer_layout
+    from ckptd.loader.layout_file import read_layout
+    from ckptd.loader.targets import Resolver
 
     if world < 1:
         raise ValueError(f"the world size must be at least 1, got {world}")

@@ -44,7 +44,7 @@ from ckptd.elastic.history import (
     add_loss,
 )
 from ckptd.elastic.search import InvalidSpec, TrainingSpec
-from ckptd.reshard.committed import LoadResult
+from ckptd.loader.reader import LoadResult
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none, gather_object
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult

@@ -45,9 +45,9 @@ from ckptd.interop.dcp_format import (
     read_index,
 )
 from ckptd.interop.source import by_budget
+from ckptd.loader.load import aborted, agree
+from ckptd.loader.reader import LoadResult
 from ckptd.regions import Box, copy_region
-from ckptd.reshard.committed import LoadResult
-from ckptd.reshard.load import aborted, agree
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe, put_values
 from ckptd.storage import Storage, open_storage
 from ckptd.world import fail_together, resolve_world
@@ -203,7 +203,7 @@ def load_dcp(
 def _check(
     storage: Storage, state: Any, rank: int, world_size: int, strict: bool, trust: bool
 ) -> tuple[DcpIndex, Described, _Plan]:
-    """Step 1 on every rank, the main loader's rules (:func:`ckptd.reshard.load.agree`): the
+    """Step 1 on every rank, the main loader's rules (:func:`ckptd.loader.load.agree`): the
     same error class on all ranks when any rank fails, then every rank's problems and, under
     ``strict``, the saved tensors no rank asks for (an O(T) union, not every rank's names)."""
     error: BaseException | None = None

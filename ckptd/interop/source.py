@@ -1,7 +1,7 @@
 """Reading a committed ckptd checkpoint box by box: what the exporters stand on.
 
 This is the only module of ``ckptd.interop`` that calls the reshard loader, and it calls only
-``ckptd.reshard.load.load_into``: an exporter asks for boxes of logical tensors, each with the
+``ckptd.loader.load.load_into``: an exporter asks for boxes of logical tensors, each with the
 tensor (or view) to fill, and the loader plans, reads (ranged, parallel), verifies checksums and
 decodes. Memory is the caller's destinations plus the loader's read buffers for those boxes, so
 asking for bounded :func:`row_slabs` bounds the memory of a whole export by a constant.
@@ -19,9 +19,9 @@ import torch
 
 from ckptd import catalog, config
 from ckptd.errors import CkptdError
+from ckptd.loader.load import load_into
 from ckptd.manifest import Manifest, layout
 from ckptd.regions import Box
-from ckptd.reshard.load import load_into
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece
 from ckptd.storage import Storage
 

@@ -17,7 +17,7 @@ bytes than asked: both raise ``EOFError`` naming the object, without retrying.
 
 Integrity: ranged GETs carry no checksum S3 could verify for us (botocore validates response
 checksums of whole-object GETs only); ckptd's readers verify every frame's checksum on exactly
-the bytes returned here (:mod:`ckptd.reshard.reader`).
+the bytes returned here (:mod:`ckptd.loader.fetch`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Order of work, chosen so that a failed load leaves every destination tensor unto
    dtype, every destination value key exists (``strict``), and no saved tensor is left unasked
    (``strict``; across ranks when ``torch.distributed`` is initialised). All ranks learn every
    rank's problems, so all raise together.
-2. **plan** — overlapping chunks, frames, coalesced ranges (:mod:`ckptd.reshard.plan`). With
+2. **plan** — overlapping chunks, frames, coalesced ranges (:mod:`ckptd.loader.plan`). With
    read-once on, pieces that several ranks need are read by one of them (:mod:`.read_once`).
 3. **read + verify** — ranges are fetched in parallel threads and every frame's checksum is
    verified, holding at most the load budget (``load_budget_bytes``) of read buffers. When
@@ -30,10 +30,8 @@ from typing import Any
 
 from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, StateMismatch
-from ckptd.manifest import Manifest
-from ckptd.reshard import direct, read_once
-from ckptd.reshard.plan import LoadPlan, Range, plan_load
-from ckptd.reshard.reader import (
+from ckptd.loader import direct, read_once
+from ckptd.loader.fetch import (
     Buffers,
     Fetched,
     ReadStats,
@@ -41,6 +39,8 @@ from ckptd.reshard.reader import (
     copy_range,
     run_ranges,
 )
+from ckptd.loader.plan import LoadPlan, Range, plan_load
+from ckptd.manifest import Manifest
 from ckptd.sharding import LOCAL_PREFIX, Described, Local, Piece, local_name, put_values
 from ckptd.storage import Storage
 from ckptd.world import dist_or_none, fail_together, gather_object

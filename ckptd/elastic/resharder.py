@@ -1,7 +1,7 @@
 """The offline reshard: rewrite a committed checkpoint so that its data is packed per rank of a
 planned target world (``ckptd reshard CKPT --to-world N``).
 
-Which boxes each target rank holds comes from a layout (:mod:`ckptd.reshard.targets`), not from
+Which boxes each target rank holds comes from a layout (:mod:`ckptd.loader.targets`), not from
 model code. Each target rank's pieces are written into its own data files, back to back in
 (name, box) order, which is also the order its load reads them: a restart then reads one
 contiguous range per file instead of a slice of every saved chunk. A box held by several target
@@ -9,7 +9,7 @@ ranks is written by each of them when it is small (``replicate_small_bytes``: no
 the extra copies stay within ``replicate_max_share`` (1 %) of the checkpoint's bytes; otherwise
 once, by the least-loaded holder. Bytes written are at most 1.01 x the checkpoint's.
 
-Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.reshard.waves`):
+Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.elastic.waves`):
 the source regions of a run of consecutive ranks are read once, through the load planner
 (coalesced ranges, parallel reads, frames verified), and each rank's pieces are views of them,
 so the cost follows the bytes and the number of tensors, not the number of target ranks. A rank
@@ -43,14 +43,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptd import catalog, config
+from ckptd.elastic import waves
 from ckptd.errors import CkptdError
 from ckptd.hostarray import HostArray
+from ckptd.loader import direct
+from ckptd.loader.fetch import Buffers, ReadStats, StepFiles
+from ckptd.loader.load import gap_bytes, make_plan
+from ckptd.loader.targets import Assignment, Target
 from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout
 from ckptd.regions import Box
-from ckptd.reshard import direct, waves
-from ckptd.reshard.load import gap_bytes, make_plan
-from ckptd.reshard.reader import Buffers, ReadStats, StepFiles
-from ckptd.reshard.targets import Assignment, Target
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer import commit

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from ckptd import dtypes
 from ckptd.hostarray import HostArray
+from ckptd.loader.targets import Target
 from ckptd.regions import Box
-from ckptd.reshard.targets import Target
 from ckptd.sharding import Piece
 
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 from ckptd.hostarray import HostArray, no_grad
+from ckptd.loader.plan import Range, Read, source_view
 from ckptd.manifest import codecs
-from ckptd.reshard.plan import Range, Read, source_view
 from ckptd.storage import Storage
 from ckptd.storage.base import BlockCache, ReadSession
 

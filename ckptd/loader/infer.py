@@ -14,8 +14,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from ckptd.loader.layout_file import LayoutSpec, Pipeline, Rule, Zero, ZeroGroup
 from ckptd.manifest import Manifest
-from ckptd.reshard.layout_file import LayoutSpec, Pipeline, Rule, Zero, ZeroGroup
 from ckptd.sharding import LOCAL_PREFIX
 
 # layer-index regex -> glob of the layer tensors (for the ZeRO member order)

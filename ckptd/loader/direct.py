@@ -22,10 +22,10 @@ from typing import Any
 
 from ckptd.errors import CorruptCheckpoint
 from ckptd.hostarray import flat_bytes
+from ckptd.loader.fetch import Buffers, ReadStats, StepFiles, copy_range, run_ranges
+from ckptd.loader.plan import Copy, Range, plan_load, row_major_strides
 from ckptd.manifest import Chunk, Manifest, codecs
 from ckptd.regions import Box, flat_to_boxes
-from ckptd.reshard.plan import Copy, Range, plan_load, row_major_strides
-from ckptd.reshard.reader import Buffers, ReadStats, StepFiles, copy_range, run_ranges
 from ckptd.sharding import Piece
 
 

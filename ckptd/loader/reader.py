@@ -17,8 +17,8 @@ from typing import Any
 
 from ckptd import catalog, gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
+from ckptd.loader.load import load_into
 from ckptd.manifest import layout
-from ckptd.reshard.load import load_into
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.world import from_rank0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
-from ckptd.reshard.reader import Buffers
+from ckptd.loader.fetch import Buffers
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 

@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 
 from ckptd import dtypes
+from ckptd.loader.layout_file import LayoutError, LayoutSpec, Rule, ZeroGroup
 from ckptd.manifest import Manifest
 from ckptd.regions import Box, flat_to_boxes
-from ckptd.reshard.layout_file import LayoutError, LayoutSpec, Rule, ZeroGroup
 from ckptd.sharding import LOCAL_PREFIX
 
 

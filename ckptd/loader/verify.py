@@ -15,10 +15,10 @@ import torch
 
 from ckptd import config
 from ckptd.errors import CkptdError
+from ckptd.loader.fetch import Buffers, StepFiles, copy_range, fetch_range, run_ranges
+from ckptd.loader.plan import Range, Read, coalesce, plan_load
 from ckptd.manifest import Chunk, Manifest, TensorEntry, find_hole
 from ckptd.regions import Box
-from ckptd.reshard.plan import Range, Read, coalesce, plan_load
-from ckptd.reshard.reader import Buffers, StepFiles, copy_range, fetch_range, run_ranges
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 

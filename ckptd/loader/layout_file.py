@@ -12,7 +12,7 @@ A layout file (TOML or JSON, documented in ``docs/layouts.md``) has:
 - ``[zero]``: the ZeRO stage, and the flat-buffer groups (``[[zero.group]]``), their member
   ``order``, ``buckets`` and DP-shard ``align`` ment (padding).
 
-This module parses and writes the file; :mod:`ckptd.reshard.targets` applies it to a checkpoint.
+This module parses and writes the file; :mod:`ckptd.loader.targets` applies it to a checkpoint.
 """
 
 from __future__ import annotations
