@@ -108,8 +108,9 @@ def test_the_catalog_reads_only_the_lead_of_each_committed_manifest(tmp_path):
 
 def test_a_format_3_manifest_written_before_the_lead_is_read_to_its_head(tmp_path):
     root = str(tmp_path / "r")
-    with mock.patch.object(schema, "_lead_first", dict):  # the writer before the lead
-        _save(root, 5)
+    # the writer before the lead; patched in this process, so the save runs in it
+    with mock.patch.object(schema, "_lead_first", dict):
+        _save(root, 5, agent=False)
     raw = _raw(root, 5)
     assert b'"lead"' not in raw
     first = lead(raw[:PREFIX_BYTES], "m")
