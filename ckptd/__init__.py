@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd._version import __version__ as __version__
 
 _EXPORTS = {
+    "close": "ckptd.api",
     "init": "ckptd.api",
     "latest_step": "ckptd.api",
     "load": "ckptd.api",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "Fused": "ckptd.sharding",
     "Local": "ckptd.sharding",
     "Shard": "ckptd.sharding",
+    "Phase": "ckptd.writer.handle",
     "SaveHandle": "ckptd.writer.handle",
     "SaveResult": "ckptd.writer.handle",
 }
@@ -49,11 +51,13 @@ __all__ = [
     "Fused",
     "LoadResult",
     "Local",
+    "Phase",
     "SaveHandle",
     "SaveResult",
     "Shard",
     "StateMismatch",
     "StorageError",
+    "close",
     "elastic",
     "init",
     "latest_step",
@@ -84,7 +88,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ckptd import elastic
-    from ckptd.api import init, latest_step, load, save, save_async, wait
+    from ckptd.api import close, init, latest_step, load, save, save_async, wait
     from ckptd.checkpointer import Checkpointer
     from ckptd.elastic.preemption import on_preemption, preempted
     from ckptd.elastic.reshard import reshard
@@ -98,4 +102,4 @@ if TYPE_CHECKING:
     )
     from ckptd.loader.reader import LoadResult
     from ckptd.sharding import FlatShard, Fused, Local, Shard
-    from ckptd.writer.handle import SaveHandle, SaveResult
+    from ckptd.writer.handle import Phase, SaveHandle, SaveResult

@@ -71,6 +71,18 @@ def wait() -> None:
     _get().wait()
 
 
+def close() -> None:
+    """Close the default Checkpointer (``Checkpointer.close``: drain in-flight saves, raise a
+    pending background error) and forget it; nothing without one."""
+    ckpt = checkpointer.default_or_none()
+    if ckpt is None:
+        return
+    try:
+        ckpt.close()
+    finally:
+        checkpointer.set_default(None)
+
+
 def latest_step() -> int | None:
     """Newest committed step under the root, or None."""
     return _get().latest_step()

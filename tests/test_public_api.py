@@ -4,6 +4,7 @@ import ckptd
 
 API_NAMES = {
     "init",
+    "close",
     "save_async",
     "save",
     "wait",
@@ -12,6 +13,7 @@ API_NAMES = {
     "Checkpointer",
     "SaveHandle",
     "SaveResult",
+    "Phase",
     "LoadResult",
     "Shard",
     "FlatShard",

@@ -175,7 +175,7 @@ def test_debug_mode_detects_a_modification_before_wait_staged(tmp_path):
         state = _state(3.0)
         c.save(state, step=0)
         h = c.save_async(state, step=1, overlap=True)
-        h._staged.result()  # let staging finish first, so the detection is deterministic
+        h.staged.result()  # let staging finish first, so the detection is deterministic
         state["model"]["b"].fill_(5.0)  # the caller's error: modified before wait_staged()
         with pytest.raises(ckptd.CorruptCheckpoint, match="model/b: modified before wait_staged"):
             h.wait_staged()

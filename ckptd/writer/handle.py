@@ -1,108 +1,136 @@
 """A pending save, named by its phases: *staged* (the caller may modify the state) and
-*committed* (``manifest.json`` names it)."""
+*committed* (``manifest.json`` names it).
+
+:class:`SaveHandle` is a :class:`concurrent.futures.Future` of the :class:`SaveResult`, and
+``handle.staged`` a second Future that completes at the staged point. Only ckptd completes them:
+the save thread through the underscored methods below (``set_result``/``set_exception`` are
+refused), and the first outcome wins (an interrupt in the caller may race the save thread's own
+outcome).
+"""
 
 from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Phase(enum.Enum):
+    """Where a save is (``SaveHandle.phase``)."""
+
     STAGING = "staging"  # copying the state into host memory; the caller must not modify it
     STAGED = "staged"  # bytes are in host memory; being written in the background
     COMMITTED = "committed"  # manifest.json of this save exists: it is a checkpoint
     FAILED = "failed"  # the save raised; the previous checkpoint is still `latest`
-    SKIPPED = "skipped"  # dropped because the previous save was still in flight (on_busy="skip")
+    SKIPPED = "skipped"  # dropped because earlier saves were still in flight (on_busy="skip")
 
 
 @dataclass(frozen=True)
 class SaveResult:
+    """What a save did on this rank (``SaveHandle.result()``, ``save()``).
+
+    Attributes:
+        step: the step number saved.
+        url: the step's directory (``ROOT/step-NNNNNNNNN``).
+        nbytes: bytes this rank wrote (stored size, after compression).
+        stall_s: seconds the caller was blocked by ``save_async`` (until staged).
+        write_s: seconds from staged to committed.
+        handed_to: the node whose agent wrote this rank's share, when this node's agent was
+            stopping (SIGTERM) and could not write it inside the grace window; None: written
+            here.
+        skipped: True when the save was dropped (``on_busy="skip"`` and earlier saves still in
+            flight): nothing was written and ``nbytes`` is 0. A skipped save is not an error.
+    """
+
     step: int
     url: str
-    nbytes: int  # bytes this rank wrote (stored size)
-    stall_s: float  # time the caller was blocked (until staged)
-    write_s: float  # staged -> committed
-    # the node whose agent wrote this rank's share: this node's agent was stopping (SIGTERM) and
-    # could not write it inside the grace window (docs/agent.md); None: written here
+    nbytes: int
+    stall_s: float
+    write_s: float
     handed_to: str | None = None
+    skipped: bool = False
 
 
-class SaveHandle:
-    """Returned by ``save_async``. ``wait_staged()`` before modifying the state when saving with
-    ``overlap=True``; ``result()`` blocks until the step is committed on every rank."""
+class _Completed(Future[T]):
+    """A Future only ckptd completes: ``set_result``/``set_exception`` are refused; the save
+    thread calls :meth:`_complete` / :meth:`_fail`. It is running from the start, so
+    ``cancel()`` returns False (a save cannot be called off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_running_or_notify_cancel()
+
+    def set_result(self, result: T) -> None:
+        raise RuntimeError("a save's Future is completed by ckptd, not by its caller")
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise RuntimeError("a save's Future is completed by ckptd, not by its caller")
+
+    def _complete(self, result: T) -> None:
+        Future.set_result(self, result)
+
+    def _fail(self, error: BaseException) -> None:
+        Future.set_exception(self, error)
+
+
+class SaveHandle(_Completed[SaveResult]):
+    """What ``save_async`` returns: a :class:`concurrent.futures.Future` of the
+    :class:`SaveResult`, completed once the step is committed on every rank (or with the
+    save's error).
+
+    ``done()``, ``result(timeout)``, ``exception(timeout)``, ``add_done_callback(fn)`` (called
+    once, with this handle, on the save thread: keep it short) and
+    ``concurrent.futures.wait``/``as_completed`` work as for any Future; ``cancel()`` returns
+    False. A save's error is raised once: by ``result()`` (or returned by ``exception()``),
+    else by the next ``save_async``, ``wait`` or ``close``.
+
+    Attributes:
+        step: the step being saved.
+        url: the step's directory.
+        staged: a Future that completes (with None) once the state is in host memory, when the
+            caller may modify it; with the save's error if staging failed.
+        stall_s: seconds ``save_async`` blocked the caller.
+        handed_to: see :attr:`SaveResult.handed_to` (known before the commit).
+
+    Example::
+
+        handle = ckptd.save_async(state)
+        handle.add_done_callback(lambda h: print("committed", h.result().step))
+        handle.result()              # SaveResult, once committed on every rank
+    """
 
     def __init__(self, step: int, url: str) -> None:
+        super().__init__()
         self.step = step
         self.url = url
-        self.phase = Phase.STAGING
+        self.staged: _Completed[None] = _Completed()
         self.stall_s = 0.0
-        self._staged: Future[None] = Future()
-        self._committed: Future[SaveResult] = Future()
-        self.handed_to: str | None = None  # see SaveResult.handed_to; known before the commit
+        self.handed_to: str | None = None
+        self._phase = Phase.STAGING
         self._safe = threading.Event()  # committed, failed, or handed to a peer's agent
-        self._reported = False
+        self._reported = False  # the error reached the caller (raise it no more)
         self._lock = threading.Lock()
-        self.on_wait_staged: list[object] = []
+        self._checks: list[Callable[[], Any]] = []  # run by wait_staged (debug_overlap)
 
-    # -- producer side (the Saver); the first outcome wins, later ones are ignored (an
-    # interrupt in the caller may race the save thread's own outcome) --
-    def mark_staged(self) -> None:
-        with self._lock:
-            if self._staged.done():
-                return
-            self.phase = Phase.STAGED
-            self._staged.set_result(None)
+    @property
+    def phase(self) -> Phase:
+        """The save's :class:`Phase` now."""
+        return self._phase
 
-    def mark_committed(self, result: SaveResult) -> None:
-        with self._lock:
-            if self._committed.done():
-                return
-            self.phase = Phase.COMMITTED
-            self._committed.set_result(result)
-            self._safe.set()
-
-    def mark_handed(self, node: str) -> None:
-        """A peer's agent holds this rank's share and writes it: safe before it is committed."""
-        self.handed_to = node
-        self._safe.set()
-
-    def mark_failed(self, error: BaseException, *, reported: bool = False) -> None:
-        """``reported``: the error is being raised to the caller already (not again later)."""
-        with self._lock:
-            if self._committed.done():
-                return
-            self.phase = Phase.FAILED
-            self._reported = reported
-            if not self._staged.done():
-                self._staged.set_exception(error)
-            self._committed.set_exception(error)
-            self._safe.set()
-
-    def take_error(self) -> BaseException | None:
-        """The background error, once: the first caller to take it raises it."""
-        if not self._committed.done():
-            return None
-        error = self._committed.exception()
-        with self._lock:
-            if error is None or self._reported:
-                return None
-            self._reported = True
-        return error
-
-    def wait_done(self) -> None:
-        """Block until committed or failed, without raising (errors go through take_error)."""
-        self._committed.exception()
-
-    # -- consumer side --
-    def done(self) -> bool:
-        return self._committed.done()
-
+    # -- the consumer's side --
     def wait_staged(self, timeout: float | None = None) -> None:
-        self._staged.result(timeout)
-        for check in self.on_wait_staged:
-            check()  # type: ignore[operator]
+        """Block until the state is staged (``save_async(..., overlap=True)``: call it before
+        modifying the state); raises the save's error if staging failed, and with
+        ``debug_overlap`` :class:`~ckptd.CorruptCheckpoint` when the state was modified too
+        early. ``handle.staged.result(timeout)`` without that check."""
+        self.staged.result(timeout)
+        for check in self._checks:
+            check()
 
     def wait_safe(self, timeout: float | None = None) -> bool:
         """Wait until the save is committed, failed, or held by a peer's agent that writes it
@@ -111,17 +139,83 @@ class SaveHandle:
         return self._safe.wait(timeout)
 
     def result(self, timeout: float | None = None) -> SaveResult:
+        """The :class:`SaveResult` once committed on every rank (raises the save's error;
+        ``TimeoutError`` after ``timeout`` seconds)."""
         try:
-            return self._committed.result(timeout)
+            return super().result(timeout)
         except BaseException:
-            with self._lock:
+            if self.done():
                 self._reported = True
             raise
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (None if it committed); it then counts as raised."""
+        error = super().exception(timeout)
+        if error is not None:
+            self._reported = True
+        return error
 
-class SkippedHandle(SaveHandle):
-    def __init__(self, step: int, url: str) -> None:
-        super().__init__(step, url)
-        self.phase = Phase.SKIPPED
-        self._staged.set_result(None)
-        self._committed.set_result(SaveResult(step, url, 0, 0.0, 0.0))
+    # -- the save thread's side (ckptd's own) --
+    def _settle(self, phase: Phase) -> bool:
+        """Whether this outcome is the first (and then the phase is ``phase``)."""
+        with self._lock:
+            if self._phase in (Phase.COMMITTED, Phase.FAILED, Phase.SKIPPED):
+                return False
+            self._phase = phase
+            return True
+
+    def _mark_staged(self) -> None:
+        with self._lock:
+            if self.staged.done():
+                return
+            if self._phase is Phase.STAGING:
+                self._phase = Phase.STAGED
+        self.staged._complete(None)
+
+    def _mark_committed(self, result: SaveResult) -> None:
+        if not self._settle(Phase.SKIPPED if result.skipped else Phase.COMMITTED):
+            return
+        if not self.staged.done():
+            self.staged._complete(None)
+        self._safe.set()
+        self._complete(result)
+
+    def _mark_handed(self, node: str) -> None:
+        """A peer's agent holds this rank's share and writes it: safe before it is committed."""
+        self.handed_to = node
+        self._safe.set()
+
+    def _mark_failed(self, error: BaseException, *, reported: bool = False) -> None:
+        """``reported``: the error is being raised to the caller already (not again later)."""
+        if not self._settle(Phase.FAILED):
+            return
+        self._reported = reported
+        if not self.staged.done():
+            self.staged._fail(error)
+        self._safe.set()
+        self._fail(error)
+
+    def _take_error(self) -> BaseException | None:
+        """The background error, once: the first caller to take it raises it."""
+        if not self.done():
+            return None
+        error = Future.exception(self)
+        with self._lock:
+            if error is None or self._reported:
+                return None
+            self._reported = True
+        return error
+
+    def _wait_done(self) -> None:
+        """Block until committed or failed, without raising (errors go through _take_error)."""
+        Future.exception(self)
+
+
+def skipped(step: int, url: str) -> SaveHandle:
+    """The handle of a save dropped by ``on_busy="skip"``: done, ``result().skipped``."""
+    handle = SaveHandle(step, url)
+    handle._mark_committed(SaveResult(step, url, 0, 0.0, 0.0, skipped=True))
+    return handle
+
+
+__all__ = ["Phase", "SaveHandle", "SaveResult", "skipped"]

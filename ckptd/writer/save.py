@@ -43,7 +43,7 @@ from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import Executor, InProcess, Pending
 from ckptd.writer.files import Framing
 from ckptd.writer.group_store import GroupStore
-from ckptd.writer.handle import SaveHandle, SaveResult, SkippedHandle
+from ckptd.writer.handle import SaveHandle, SaveResult, skipped
 from ckptd.writer.job import CommitParams, SaveJob, discard
 from ckptd.writer.pipeline import Round, Share, check_unmodified, n_files, plan_rounds, stage
 from ckptd.writer.staging import Arena, StagingPool
@@ -145,9 +145,9 @@ class Saver:
             if opts.on_busy == "skip":
                 log.warning("ckptd: step %d skipped: %d save(s) still in flight",
                             step, len(inflight))
-                return SkippedHandle(step, self.storage.url)
+                return skipped(step, f"{self.storage.url}/{layout.step_dir(step)}")
             for h in inflight[: len(inflight) - self.max_inflight + 1]:
-                h.wait_done()
+                h._wait_done()
             self.raise_pending()
         self._seq += 1
         share = Share(
@@ -236,13 +236,13 @@ class Saver:
             save.arena, save.pool = arena, pool
             if self.options.debug_overlap:
                 buffer, plans = arena.tensor, rounds[0].plans
-                save.handle.on_wait_staged.append(lambda: check_unmodified(plans, buffer))
+                save.handle._checks.append(lambda: check_unmodified(plans, buffer))
             pipelined = (self.executor.pipelines
                          and config.pipelined_staging(self.options.threads))
             if not pipelined:  # every core copies first; then the files start
                 stage(arena.buffer, rounds[0].plans)
             save.pending = self.executor.start(job, arena, pool, stage_first=pipelined)
-        save.handle.mark_staged()
+        save.handle._mark_staged()
 
     def _abandon(self, save: _Save, error: BaseException) -> None:
         """A save that failed (or was interrupted) before the hand-off: no write may still read
@@ -253,7 +253,7 @@ class Saver:
         if save.arena is not None and save.pool is not None:
             save.pool.release(save.arena)
         discard(self.storage, save.job)
-        save.handle.mark_failed(error, reported=True)
+        save.handle._mark_failed(error, reported=True)
 
     # ------------------------------------------------------------------ the save thread's half
     def _finish(self, save: _Save, stage_here: bool) -> None:
@@ -269,20 +269,20 @@ class Saver:
             t_staged = time.perf_counter()
             out = self.executor.finish(save.pending)
             if out.handed_to is not None:  # a peer's agent commits (on rank 0) or writes it
-                h.mark_handed(out.handed_to)
+                h._mark_handed(out.handed_to)
                 commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
             elif opts.rank != 0:
                 self._wait_committed(save)
             result = SaveResult(share.step, h.url, out.nbytes, h.stall_s,
                                 time.perf_counter() - t_staged, out.handed_to)
             self._record(result)
-            h.mark_committed(result)
+            h._mark_committed(result)
         except exiting.Abandoned as e:  # the process exits: others may still finish it
             log.warning("ckptd: %s", e)
-            h.mark_failed(e, reported=True)  # said once, here
+            h._mark_failed(e, reported=True)  # said once, here
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             log.error("ckptd: save of step %d failed: %s", share.step, e)
-            h.mark_failed(e)
+            h._mark_failed(e)
             # best effort, after the error is delivered (an unreachable store retries every
             # request); this thread still finishes it before the next save
             if not taken:  # it failed before the executor took it: tell the others
@@ -321,14 +321,14 @@ class Saver:
     def raise_pending(self) -> None:
         """Raise the first background error not yet raised to the caller."""
         for h in self._handles:
-            err = h.take_error()
+            err = h._take_error()
             if err is not None:
                 raise err
 
     def wait(self) -> None:
         """Every in-flight save done; raise the first background error."""
         for h in list(self._handles):
-            h.wait_done()
+            h._wait_done()
         self.raise_pending()
 
     def close(self) -> None:
