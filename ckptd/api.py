@@ -6,6 +6,7 @@ from typing import Any
 
 from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer, LoadResult
+from ckptd.loader.load import Strict
 from ckptd.writer.handle import SaveHandle, SaveResult
 
 
@@ -92,10 +93,13 @@ def load(
     state: Any,
     *,
     step: int | None = None,
-    strict: bool = True,
+    strict: Strict = True,
     source: str | None = None,
     trust: bool = False,
 ) -> LoadResult:
-    """Fill ``state`` in place from a committed step, resharding to its layout; ``source`` may
-    name a torch.distributed.checkpoint directory (``trust=True`` to read its pickle)."""
+    """Fill ``state`` in place from a committed step, resharding to its layout
+    (:meth:`Checkpointer.load <ckptd.Checkpointer.load>`): everything ``state`` asks for must
+    be saved (``strict="exact"``: and nothing saved left unasked; ``strict=False``: skip what
+    is missing); ``source`` may name a torch.distributed.checkpoint directory
+    (``trust=True`` to read its pickle)."""
     return _get().load(state, step=step, strict=strict, source=source, trust=trust)

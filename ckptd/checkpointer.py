@@ -23,6 +23,7 @@ from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for
 from ckptd.agent.load_tier import memory_tier
 from ckptd.errors import CkptdError
+from ckptd.loader.load import Strict
 from ckptd.loader.reader import LoadResult, Reader
 from ckptd.manifest import Manifest, layout
 from ckptd.sharding import describe
@@ -264,9 +265,16 @@ class Checkpointer:
     def read_manifest(self, step: int) -> Manifest:
         return catalog.read_manifest(self.storage, step)
 
-    def load(self, state: Any, *, step: int | None = None, strict: bool = True,
+    def load(self, state: Any, *, step: int | None = None, strict: Strict = True,
              source: str | None = None, trust: bool = False) -> LoadResult:
         """Fill ``state`` in place from a committed step (resharding to its layout).
+
+        ``strict=True`` (the default): everything ``state`` asks for must be in the checkpoint
+        with its shape and dtype, else :class:`~ckptd.StateMismatch` names it and nothing is
+        touched; what the checkpoint holds beyond that is left alone (an evaluation job may
+        load ``{"model": ...}`` from a checkpoint with optimizer state). ``strict="exact"``:
+        also every saved tensor must be asked for (by some rank). ``strict=False``: what is
+        missing from the checkpoint is skipped, the destination keeps its value.
 
         ``source`` loads from another checkpoint instead of this root: a
         torch.distributed.checkpoint directory (its pickled ``.metadata`` is only read with

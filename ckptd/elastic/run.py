@@ -44,6 +44,7 @@ from ckptd.elastic.history import (
     add_loss,
 )
 from ckptd.elastic.search import InvalidSpec, TrainingSpec
+from ckptd.loader.load import Strict
 from ckptd.loader.reader import LoadResult
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none, gather_object
@@ -158,10 +159,11 @@ class ElasticRun:
         return stream
 
     # ------------------------------------------------------------------ progress
-    def load(self, state: Any, *, strict: bool = True) -> LoadResult | None:
+    def load(self, state: Any, *, strict: Strict = True) -> LoadResult | None:
         """Fill ``state`` (built for :attr:`training`) from the checkpoint this run resumes;
-        ``None`` on a fresh start. Records in the history entry the load time and where the
-        job's bytes came from (the node agents' memory, their peer copies, storage)."""
+        ``None`` on a fresh start (``strict`` as for :meth:`ckptd.Checkpointer.load`). Records
+        in the history entry the load time and where the job's bytes came from (the node
+        agents' memory, their peer copies, storage)."""
         if self.resumed_step is None:
             return None
         t0 = time.perf_counter()

@@ -6,8 +6,9 @@ that ``torch.distributed.checkpoint.save`` wrote on any number of ranks. Each ra
 DCP items that overlap its pieces. Same guarantees as a ckptd load, in the same order:
 
 1. **check** — metadata readable (and trusted), every destination tensor present with the same
-   global shape and dtype, every destination value present (``strict``), no saved tensor left
-   unasked (``strict``; across ranks when ``torch.distributed`` is initialised);
+   global shape and dtype, every destination value present (``strict``, the default), and
+   with ``strict="exact"`` no saved tensor left unasked (across ranks when
+   ``torch.distributed`` is initialised);
 2. **read** — the needed items are fetched and decoded (within the load budget; beyond it they
    are decoded in batches and fetched again for the copy);
 3. **agree** — with ``torch.distributed`` initialised, every rank learns every rank's error, so all
@@ -45,7 +46,7 @@ from ckptd.interop.dcp_format import (
     read_index,
 )
 from ckptd.interop.source import by_budget
-from ckptd.loader.load import aborted, agree
+from ckptd.loader.load import Strict, aborted, agree, strictness
 from ckptd.loader.reader import LoadResult
 from ckptd.regions import Box, copy_region
 from ckptd.sharding import LOCAL_PREFIX, Described, Piece, describe, put_values
@@ -85,7 +86,8 @@ def _resolve_value(index: DcpIndex, key: str) -> tuple[str, list[str]] | None:
     return None
 
 
-def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, list[str]]:
+def _plan(index: DcpIndex, described: Described, strict: Strict) -> tuple[_Plan, list[str]]:
+    missing_fails, _ = strictness(strict)
     problems: list[str] = []
     copies: list[_Placement] = []
     for p in described.pieces:
@@ -93,7 +95,7 @@ def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, l
             continue  # per-rank values: DCP has none, the destination keeps its own
         t = index.tensors.get(p.name)
         if t is None:
-            if strict:
+            if missing_fails:
                 hint = " (it is a non-tensor object there)" if p.name in index.objects else ""
                 problems.append(f"{p.name}: missing from the checkpoint{hint}")
             continue
@@ -125,7 +127,7 @@ def _plan(index: DcpIndex, described: Described, strict: bool) -> tuple[_Plan, l
         found = _resolve_value(index, key)
         if found is not None:
             values[key] = found
-        elif strict:
+        elif missing_fails:
             problems.append(f"{key}: value missing from the checkpoint")
     return _Plan(copies, values), problems
 
@@ -181,7 +183,7 @@ def load_dcp(
     source: str | Storage,
     *,
     trust: bool = False,
-    strict: bool = True,
+    strict: Strict = True,
     rank: int | None = None,
     world_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -190,7 +192,9 @@ def load_dcp(
     """Fill ``state`` in place from the DCP directory ``source`` (a path or fsspec URL).
 
     ``trust=True`` is required: DCP metadata is a pickle. ``LoadResult.step`` is the checkpoint's
-    top-level ``step`` value when it is an int, else 0.
+    top-level ``step`` value when it is an int, else 0. ``strict`` as for
+    :meth:`ckptd.Checkpointer.load`: what the destination asks for must be there (saved entries
+    it does not ask for are left alone); ``"exact"``: both ways; False: skip what is missing.
 
     >>> load_dcp({"model": model.state_dict()}, "dcp/step-100", trust=True)  # doctest: +SKIP
     """
@@ -201,11 +205,12 @@ def load_dcp(
 
 
 def _check(
-    storage: Storage, state: Any, rank: int, world_size: int, strict: bool, trust: bool
+    storage: Storage, state: Any, rank: int, world_size: int, strict: Strict, trust: bool
 ) -> tuple[DcpIndex, Described, _Plan]:
     """Step 1 on every rank, the main loader's rules (:func:`ckptd.loader.load.agree`): the
     same error class on all ranks when any rank fails, then every rank's problems and, under
-    ``strict``, the saved tensors no rank asks for (an O(T) union, not every rank's names)."""
+    ``strict="exact"``, the saved tensors no rank asks for (an O(T) union, not every rank's
+    names)."""
     error: BaseException | None = None
     try:
         index = read_index(storage, trust=trust)
@@ -224,7 +229,7 @@ def _load(
     state: Any,
     rank: int,
     world_size: int,
-    strict: bool,
+    strict: Strict,
     trust: bool,
     pool: ThreadPoolExecutor,
 ) -> LoadResult:
@@ -280,7 +285,7 @@ def load_from_dcp(
     *,
     source: str | None,
     step: int | None,
-    strict: bool,
+    strict: Strict,
     trust: bool,
     rank: int,
     world_size: int,

@@ -3,9 +3,9 @@
 Order of work, chosen so that a failed load leaves every destination tensor untouched:
 
 1. **check** — every destination tensor exists in the checkpoint with the same global shape and
-   dtype, every destination value key exists (``strict``), and no saved tensor is left unasked
-   (``strict``; across ranks when ``torch.distributed`` is initialised). All ranks learn every
-   rank's problems, so all raise together.
+   dtype, every destination value key exists (``strict``, the default), and with
+   ``strict="exact"`` no saved tensor is left unasked (across ranks when ``torch.distributed``
+   is initialised). All ranks learn every rank's problems, so all raise together.
 2. **plan** — overlapping chunks, frames, coalesced ranges (:mod:`ckptd.loader.plan`). With
    read-once on, pieces that several ranks need are read by one of them (:mod:`.read_once`).
 3. **read + verify** — ranges are fetched in parallel threads and every frame's checksum is
@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ckptd import config, errors
 from ckptd.errors import CkptdError, CorruptCheckpoint, StateMismatch
@@ -67,6 +67,23 @@ class LoadStats:
     metadata_cpu_s: float = 0.0
 
 
+# How a load checks its destination against the checkpoint: True (the default), everything
+# the destination asks for must be saved, and saved entries it does not ask for are left alone
+# (a partial load); "exact", also every saved tensor must be asked for by some rank; False,
+# what is missing is skipped (the destination keeps its value)
+Strict = bool | Literal["exact"]
+
+
+def strictness(strict: Strict) -> tuple[bool, bool]:
+    """``(missing is an error, unasked is an error)`` for ``strict``; a ValueError for any
+    other value."""
+    if strict is True or strict is False:
+        return strict, False
+    if strict == "exact":
+        return True, True
+    raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
+
+
 _last = threading.local()
 
 
@@ -81,20 +98,21 @@ def summary(problems: list[str], limit: int = 8) -> str:
     return "; ".join(problems[:limit]) + more
 
 
-def agree(saved: list[str], asked: set[str], problems: list[str], strict: bool,
+def agree(saved: list[str], asked: set[str], problems: list[str], strict: Strict,
           world_size: int, where: str) -> None:
     """The end of a load's check, on every rank of every loader (a ckptd checkpoint, a DCP
     directory): whether any rank asks for each of ``saved`` (the same list everywhere; an O(T)
     union, :func:`_union_of_asks`), every rank's ``problems`` once any rank has one, and under
-    ``strict`` the saved tensors no rank asks for. Raises :class:`StateMismatch` naming
+    ``strict="exact"`` the saved tensors no rank asks for. Raises :class:`StateMismatch` naming
     ``where``, on every rank alike, before anything is touched."""
+    _, exact = strictness(strict)
     wanted, anyone_failed, ranks = _union_of_asks(saved, asked, bool(problems))
     if anyone_failed:
         gathered = gather_object(problems)
         problems = [f"rank {r}: {msg}" if len(gathered) > 1 else msg
                     for r, probs in enumerate(gathered) for msg in probs]
-    if strict and (ranks > 1 or world_size == 1):
-        problems += [f"{n}: saved but not in the destination state (strict=True)"
+    if exact and (ranks > 1 or world_size == 1):
+        problems += [f"{n}: saved but not in the destination state (strict='exact')"
                      for n, w in zip(saved, wanted, strict=True) if not w]
     if problems:
         raise StateMismatch(f"{where}: {summary(problems)}")
@@ -111,9 +129,10 @@ def aborted(rank: int, kind: str, message: str,
     return cls(f"load aborted on every rank: rank {rank} failed: {message}")  # type: ignore[no-any-return]
 
 
-def check(manifest: Manifest, described: Described, rank: int, strict: bool,
+def check(manifest: Manifest, described: Described, rank: int, strict: Strict,
           world_size: int) -> list[Piece]:
     """The destination pieces to fill; raises StateMismatch before anything is touched."""
+    missing_fails, _ = strictness(strict)
     problems: list[str] = []
     pieces: list[Piece] = []
     for p in described.pieces:
@@ -121,7 +140,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
         if entry is None:
             if p.name.startswith(f"{LOCAL_PREFIX}/"):
                 continue  # a rank the saved world did not have keeps its per-rank value
-            if strict:
+            if missing_fails:
                 problems.append(f"{p.name}: missing from the checkpoint")
             continue
         if entry.shape != p.global_shape:
@@ -130,7 +149,7 @@ def check(manifest: Manifest, described: Described, rank: int, strict: bool,
             problems.append(f"{p.name}: saved dtype {entry.dtype}, destination {p.dtype}")
         else:
             pieces.append(p)
-    if strict:
+    if missing_fails:
         for key in described.values:
             if key not in manifest.values:
                 problems.append(f"{key}: value missing from the checkpoint")
@@ -212,7 +231,7 @@ def load_into(
     *,
     rank: int,
     world_size: int,
-    strict: bool,
+    strict: Strict,
     pool: ThreadPoolExecutor,
     metadata_since: float | None = None,
 ) -> int:

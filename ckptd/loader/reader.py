@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptd import catalog, gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
-from ckptd.loader.load import load_into
+from ckptd.loader.load import Strict, load_into
 from ckptd.manifest import layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
@@ -60,7 +60,7 @@ class Reader:
     world_size: int
     pool: ThreadPoolExecutor  # the I/O threads
 
-    def load_step(self, described: Described, step: int, strict: bool) -> LoadResult:
+    def load_step(self, described: Described, step: int, strict: Strict) -> LoadResult:
         with gcpause.paused():  # the decoded manifest's objects: see ckptd/gcpause.py
             cpu0 = time.thread_time()
             manifest = catalog.read_manifest(self.storage, step)
@@ -74,7 +74,7 @@ class Reader:
             del manifest  # freed by reference counts, before the collector is back
         return result
 
-    def load_named(self, described: Described, step: int, strict: bool) -> LoadResult:
+    def load_named(self, described: Described, step: int, strict: Strict) -> LoadResult:
         try:
             return self.load_step(described, step, strict)
         except CorruptCheckpoint as e:  # its manifest was read: was it removed since?
@@ -85,7 +85,7 @@ class Reader:
                 ) from e
             raise
 
-    def load_newest(self, described: Described, strict: bool) -> LoadResult:
+    def load_newest(self, described: Described, strict: Strict) -> LoadResult:
         """The newest committed step in commit order (rank 0 looks, every rank loads the same
         step), retried once when retention removed it while it was being read."""
         for last_try in (False, True):
@@ -113,7 +113,7 @@ class Reader:
         except OSError:
             return False
 
-    def load_source(self, state: Any, source: str | None, step: int | None, strict: bool,
+    def load_source(self, state: Any, source: str | None, step: int | None, strict: Strict,
                     trust: bool) -> LoadResult | None:
         """Ask the installed source plug-ins (entry points in the ``ckptd.sources`` group;
         ckptd's own reads torch.distributed.checkpoint directories) to load ``source``, or the
