@@ -135,6 +135,12 @@ class Checkpointer:
             return here
         return AgentExecutor(client, here, max(1, options.max_inflight), self.rank)
 
+    @property
+    def inflight(self) -> tuple[SaveHandle, ...]:
+        """This rank's saves not yet committed or failed, oldest first (at most
+        ``max_inflight``; empty for a read-only Checkpointer)."""
+        return self._saver.inflight if self._saver is not None else ()
+
     @staticmethod
     def threads_for(threads: int | None) -> int:
         return threads or config.io_threads()
@@ -157,7 +163,15 @@ class Checkpointer:
         ``handle.wait_staged()`` before modifying the state. ``urgent=True`` (the preemption
         save) writes this step uncompressed whatever ``compression`` says, through the same
         staging buffers and I/O threads. A committed step is immutable: saving its number again
-        fails (on every rank) unless ``overwrite=True``.
+        fails (on every rank) unless ``overwrite=True``. ``step=None``: ``state["step"]`` if
+        it is an int, else the step after the last one saved or loaded here (or after the
+        newest committed one).
+
+        With ``max_inflight`` saves still in flight it first waits for the oldest to finish
+        (``on_busy="block"``: the first such wait is logged with the remedies, each one is
+        ``handle.waited_s`` and ``SaveResult.waited_s``) or returns a skipped handle
+        (``on_busy="skip"``). Returns a :class:`SaveHandle`, a
+        ``concurrent.futures.Future`` of the :class:`SaveResult`.
         """
         started = time.perf_counter()
         saver = self._writer()

@@ -38,13 +38,17 @@ class SaveResult:
         step: the step number saved.
         url: the step's directory (``ROOT/step-NNNNNNNNN``).
         nbytes: bytes this rank wrote (stored size, after compression).
-        stall_s: seconds the caller was blocked by ``save_async`` (until staged).
+        stall_s: seconds the caller was blocked by ``save_async`` (until staged), including
+            ``waited_s``.
         write_s: seconds from staged to committed.
         handed_to: the node whose agent wrote this rank's share, when this node's agent was
             stopping (SIGTERM) and could not write it inside the grace window; None: written
             here.
         skipped: True when the save was dropped (``on_busy="skip"`` and earlier saves still in
             flight): nothing was written and ``nbytes`` is 0. A skipped save is not an error.
+        waited_s: seconds ``save_async`` waited for earlier saves to finish before staging
+            this one (``max_inflight`` saves were in flight; ``on_busy="block"``); 0.0 when
+            it did not wait. Also ``wait_s`` in the metrics line.
     """
 
     step: int
@@ -54,6 +58,7 @@ class SaveResult:
     write_s: float
     handed_to: str | None = None
     skipped: bool = False
+    waited_s: float = 0.0
 
 
 class _Completed(Future[T]):
@@ -95,6 +100,8 @@ class SaveHandle(_Completed[SaveResult]):
         staged: a Future that completes (with None) once the state is in host memory, when the
             caller may modify it; with the save's error if staging failed.
         stall_s: seconds ``save_async`` blocked the caller.
+        waited_s: seconds of ``stall_s`` spent waiting for earlier saves (see
+            :attr:`SaveResult.waited_s`).
         handed_to: see :attr:`SaveResult.handed_to` (known before the commit).
 
     Example::
@@ -110,6 +117,7 @@ class SaveHandle(_Completed[SaveResult]):
         self.url = url
         self.staged: _Completed[None] = _Completed()
         self.stall_s = 0.0
+        self.waited_s = 0.0
         self.handed_to: str | None = None
         self._phase = Phase.STAGING
         self._safe = threading.Event()  # committed, failed, or handed to a peer's agent

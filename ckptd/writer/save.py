@@ -111,6 +111,7 @@ class Saver:
         self.signals = signals
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._handles: list[SaveHandle] = []
+        self._said_wait = False  # the first wait for max_inflight is logged, the others not
         self._seq = 0
         self.generation = 0
         if options.rank == 0:
@@ -140,14 +141,14 @@ class Saver:
         opts = self.options
         t0 = time.perf_counter() if started is None else started
         self.raise_pending()
-        inflight = [h for h in self._handles if not h.done()]
+        inflight = self.inflight
+        waited = 0.0
         if len(inflight) >= self.max_inflight:
             if opts.on_busy == "skip":
                 log.warning("ckptd: step %d skipped: %d save(s) still in flight",
                             step, len(inflight))
                 return skipped(step, f"{self.storage.url}/{layout.step_dir(step)}")
-            for h in inflight[: len(inflight) - self.max_inflight + 1]:
-                h._wait_done()
+            waited = self._wait_for(inflight[: len(inflight) - self.max_inflight + 1], step)
             self.raise_pending()
         self._seq += 1
         share = Share(
@@ -171,7 +172,8 @@ class Saver:
                 f"{opts.host_budget_bytes}"
             )
         handle = SaveHandle(step, f"{self.storage.url}/{layout.step_dir(step)}")
-        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        handle.waited_s = waited
+        self._handles = [*self.inflight, handle]
         codec = codecs.RAW if urgent else self.auto.choose() if self.auto else self.codec
         job = _Save(self._job(share, rounds, codec, overwrite), rounds, handle)
         submitted = False
@@ -188,6 +190,31 @@ class Saver:
         if overlap:
             handle.stall_s = time.perf_counter() - t0
         return handle
+
+    def _wait_for(self, earlier: tuple[SaveHandle, ...], step: int) -> float:
+        """Block until ``earlier`` are done (``max_inflight`` reached): the seconds waited,
+        said once per Saver at WARNING with the remedies (each wait is on the handle, the
+        result and the metrics line)."""
+        t0 = time.perf_counter()
+        log.debug("ckptd: step %d waits for the save of step(s) %s (max_inflight=%d)",
+                  step, [h.step for h in earlier], self.max_inflight)
+        for h in earlier:
+            h._wait_done()
+        waited = time.perf_counter() - t0
+        if not self._said_wait:
+            self._said_wait = True
+            log.warning(
+                "ckptd: save_async of step %d waited %.2f s for the save of step %d to finish "
+                "(max_inflight=%d saves in flight): raise max_inflight (one more staging copy "
+                "of host memory each), save less often, or write to faster storage. Said once; "
+                "every wait is in SaveResult.waited_s and the metrics line (wait_s)",
+                step, waited, earlier[-1].step, self.max_inflight)
+        return waited
+
+    @property
+    def inflight(self) -> tuple[SaveHandle, ...]:
+        """The saves not yet committed or failed, oldest first."""
+        return tuple(h for h in self._handles if not h.done())
 
     def _job(self, share: Share, rounds: list[Round], codec: str, overwrite: bool) -> SaveJob:
         opts = self.options
@@ -274,7 +301,8 @@ class Saver:
             elif opts.rank != 0:
                 self._wait_committed(save)
             result = SaveResult(share.step, h.url, out.nbytes, h.stall_s,
-                                time.perf_counter() - t_staged, out.handed_to)
+                                time.perf_counter() - t_staged, out.handed_to,
+                                waited_s=h.waited_s)
             self._record(result)
             h._mark_committed(result)
         except exiting.Abandoned as e:  # the process exits: others may still finish it
@@ -309,6 +337,7 @@ class Saver:
         line = {"step": r.step, "rank": self.options.rank,
                 "world_size": self.options.world_size, "nbytes": r.nbytes,
                 "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
+                "wait_s": round(r.waited_s, 6),
                 "time": time.time()}
         log.info("ckptd save %s", json.dumps(line))
         if self.options.rank == 0:
