@@ -1,4 +1,5 @@
-"""Module-level functions that use the process-wide default Checkpointer (``ckptd.init``)."""
+"""Module-level functions that use the process-wide default Checkpointer (``ckptd.init``).
+Each takes what the :class:`~ckptd.Checkpointer` method of the same name takes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from ckptd import checkpointer
 from ckptd.checkpointer import Checkpointer, LoadResult
 from ckptd.loader.load import Strict
+from ckptd.storage import Storage
 from ckptd.writer.handle import SaveHandle, SaveResult
 
 
@@ -20,9 +22,22 @@ def init(
     storage_options: dict[str, Any] | None = None,
     max_inflight: int = 1,
     threads: int | None = None,
-    **kwargs: Any,
+    on_busy: str = "block",
+    run_id: str | None = None,
+    storage: Storage | None = None,
+    debug_overlap: bool = False,
+    host_budget_bytes: int | None = None,
+    read_only: bool = False,
+    agent: bool | None = None,
 ) -> Checkpointer:
-    """Create the process-wide default Checkpointer (closing a previous one).
+    """Create the process-wide default Checkpointer that ``ckptd.save``, ``ckptd.load``, ...
+    use (closing a previous one) and return it.
+
+    Args:
+        root, rank, world_size, keep_last, compression, storage_options, max_inflight,
+        threads, on_busy, run_id, storage, debug_overlap, host_budget_bytes, read_only,
+        agent: the parameters of :class:`~ckptd.Checkpointer`, with the same defaults;
+            ``help(ckptd.Checkpointer)`` documents each.
 
     >>> import ckptd                                         # doctest: +SKIP
     >>> ckptd.init("/shared/ckpts/run1", keep_last=3)        # doctest: +SKIP
@@ -39,7 +54,13 @@ def init(
         storage_options=storage_options,
         max_inflight=max_inflight,
         threads=threads,
-        **kwargs,
+        on_busy=on_busy,
+        run_id=run_id,
+        storage=storage,
+        debug_overlap=debug_overlap,
+        host_budget_bytes=host_budget_bytes,
+        read_only=read_only,
+        agent=agent,
     )
     checkpointer.set_default(ckpt)
     return ckpt
@@ -55,16 +76,28 @@ def save_async(
     step: int | None = None,
     overlap: bool = False,
     training: dict[str, Any] | None = None,
+    urgent: bool = False,
+    overwrite: bool = False,
 ) -> SaveHandle:
-    """Stage ``state`` into host memory and write it in the background."""
-    return _get().save_async(state, step=step, overlap=overlap, training=training)
+    """Stage ``state`` into host memory and write it in the background
+    (:meth:`Checkpointer.save_async <ckptd.Checkpointer.save_async>`); returns a
+    ``concurrent.futures.Future`` of the :class:`~ckptd.SaveResult`."""
+    return _get().save_async(state, step=step, overlap=overlap, training=training,
+                             urgent=urgent, overwrite=overwrite)
 
 
 def save(
-    state: Any, *, step: int | None = None, training: dict[str, Any] | None = None
+    state: Any,
+    *,
+    step: int | None = None,
+    training: dict[str, Any] | None = None,
+    urgent: bool = False,
+    overwrite: bool = False,
 ) -> SaveResult:
-    """Save and return once the step is committed on every rank."""
-    return _get().save(state, step=step, training=training)
+    """Save and return once the step is committed on every rank
+    (:meth:`Checkpointer.save <ckptd.Checkpointer.save>`)."""
+    return _get().save(state, step=step, training=training, urgent=urgent,
+                       overwrite=overwrite)
 
 
 def wait() -> None:

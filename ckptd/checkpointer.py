@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -61,7 +62,49 @@ def set_default(ckpt: Checkpointer | None) -> None:
 
 
 class Checkpointer:
-    """Checkpoints of one training job under ``root``.
+    """Checkpoints of one training job under ``root``: saves (``save``, ``save_async``),
+    loads (``load``) and what is there (``latest_step``), for this rank.
+
+    Args:
+        root: where the checkpoints go: a local directory, ``file://``, ``s3://bucket/prefix``
+            or ``gs://``/``az://``/... (fsspec). Each step is ``ROOT/step-NNNNNNNNN``.
+        rank: this process's rank; None: the process group's, else ``$RANK`` (0).
+        world_size: the number of ranks; None: the process group's, else ``$WORLD_SIZE`` (1).
+        keep_last: committed steps to keep; older ones are removed after each commit, once
+            the next save is staged. 0 or less keeps every step.
+        compression: None (raw bytes), ``"zstd"`` or ``"zstd:LEVEL"`` (byte planes + zstd,
+            level 1 by default), or ``"auto"`` (zstd only when the measured storage
+            bandwidth is below what zstd delivers; the first save is raw).
+        storage_options: options for the storage backend (for ``s3://``: ``s3fs``'s
+            credentials, endpoint, region, ...).
+        max_inflight: saves that may be in flight (staged, not yet committed) at once; each
+            holds a staging copy of the state in host memory. A save beyond it waits for the
+            oldest (``on_busy="block"``; logged once, and in ``SaveResult.waited_s``) or is
+            dropped (``on_busy="skip"``).
+        threads: I/O threads for writes and reads; None: ``$CKPTD_IO_THREADS``, else
+            min(4, cores).
+        on_busy: ``"block"`` (default) or ``"skip"``: what a save does when ``max_inflight``
+            saves are in flight. A skipped save's ``result().skipped`` is True.
+        run_id: the id every rank of one job incarnation shares; None: agreed by one
+            broadcast when ``torch.distributed`` is initialised, else ``$CKPTD_RUN_ID`` or
+            torchrun's ``$TORCHELASTIC_RUN_ID`` and restart count.
+        storage: a ``ckptd.storage.base.Storage`` object to use instead of opening ``root``
+            (saves then run in this process: no other process can open it).
+        debug_overlap: check at ``handle.wait_staged()`` that a state saved with
+            ``overlap=True`` was not modified before it was staged (``CorruptCheckpoint``
+            naming the tensor); also ``$CKPTD_DEBUG_OVERLAP=1``. Costs a comparison.
+        host_budget_bytes: the most host memory one save may stage; a larger state is staged
+            and written in rounds (the caller then waits until it is durable). None: no limit.
+        read_only: a reader (an evaluation job, a tool): it never takes the root over and
+            refuses ``save``. A writing Checkpointer claims the root: a job still writing under
+            the previous owner fails its next commit.
+        agent: hand each staged save to this node's agent process, started if none runs;
+            None: ``$CKPTD_AGENT`` (1 or 0), and when that is unset, on Linux. With
+            ``agent=False``, with no agent to be had, or with ``storage=``, saves run in this
+            process.
+
+    Every parameter is fixed at construction: setting the attribute of one later
+    (``ckpt.keep_last = 5``) raises ``AttributeError``; build a new Checkpointer instead.
 
     >>> ckpt = Checkpointer("/tmp/ckpts")                       # doctest: +SKIP
     >>> ckpt.save({"model": model.state_dict(), "step": 10})   # doctest: +SKIP
@@ -79,10 +122,7 @@ class Checkpointer:
         debug_overlap: bool = False, host_budget_bytes: int | None = None,
         read_only: bool = False, agent: bool | None = None,
     ) -> None:
-        """``agent``: hand each staged save to this node's agent (``docs/agent.md``), started
-        if none runs; None (the default): ``$CKPTD_AGENT`` (1 or 0), and when that is unset,
-        on Linux. With ``agent=False``, with no agent to be had, or with ``storage=`` (an
-        object another process cannot open) saves run in this process."""
+        """See the class's Args."""
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.storage = (as_storage(storage) if storage is not None
                         else open_storage(root, storage_options))
@@ -124,6 +164,15 @@ class Checkpointer:
                 self._io.shutdown(wait=False)
                 raise
         _live.add(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a constructor parameter is fixed once set (its value went into the save options,
+        # the storage, the agent): assigning it later would be silently ignored
+        if name in _PARAMETERS and (name in self.__dict__ or name not in _STORED):
+            raise AttributeError(
+                f"Checkpointer.{name} is fixed at construction and cannot change: build a new "
+                f"Checkpointer(..., {name}=...) (close this one first)")
+        super().__setattr__(name, value)
 
     def _executor(self, options: SaveOptions, client: AgentClient | None,
                   auto: AutoCodec | None) -> InProcess | AgentExecutor:
@@ -315,6 +364,13 @@ class Checkpointer:
         self._last_step = max(self._last_step or result.step, result.step)
         return result
 
+
+_PARAMETERS = frozenset(inspect.signature(Checkpointer.__init__).parameters) - {"self"}
+# the parameters the Checkpointer keeps as attributes (set once, by __init__); "url" is the
+# root's resolved address
+_STORED = frozenset({"rank", "world_size", "storage", "keep_last", "threads", "run_id",
+                     "read_only", "url"})
+_PARAMETERS |= {"url"}
 
 
 def _drain_at_exit() -> None:
