@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,6 +167,34 @@ def test_storage_failure_surfaces_once_and_latest_stays_on_previous(tmp_path):
         dst = {"w": torch.zeros(1 << 16)}
         c.load(dst)
         assert torch.equal(dst["w"], torch.ones(1 << 16))
+
+
+_FAILING_SAVE = """
+import sys
+import torch, ckptd
+from faulty_storage import FailAfterBytes
+root = sys.argv[1]
+c = ckptd.Checkpointer(root, run_id="j", storage=FailAfterBytes(root, limit=100))
+c.save_async({"w": torch.ones(1000)}, step=1)
+if sys.argv[2] == "wait":
+    c.wait()  # raises: unhandled, the interpreter prints its traceback
+"""
+
+
+@pytest.mark.parametrize("then", ["wait", "exit"])
+def test_a_background_save_error_is_printed_once(tmp_path, then):
+    # once: as the traceback of the call that raises it, or (no call came) at exit; never also
+    # as a log line of the save thread
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", _FAILING_SAVE, str(tmp_path), then],
+                       capture_output=True, text=True, env=env, timeout=120)
+    if then == "wait":
+        assert p.returncode == 1 and p.stderr.startswith("Traceback (most recent call last):")
+        assert p.stderr.splitlines()[-1].endswith("r00000-0.bin: Input/output error")
+    else:
+        (line,) = [x for x in p.stderr.splitlines() if "Input/output error" in x]
+        assert line.startswith("ckptd: a save did not complete before exit: ")
 
 
 def _tiny_tmpfs(path) -> bool:

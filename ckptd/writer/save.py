@@ -309,7 +309,8 @@ class Saver:
             log.warning("ckptd: %s", e)
             h._mark_failed(e, reported=True)  # said once, here
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            log.error("ckptd: save of step %d failed: %s", share.step, e)
+            # raised once, by the next save_async()/wait()/close() (or logged at exit when no
+            # call comes): not also logged here
             h._mark_failed(e)
             # best effort, after the error is delivered (an unreachable store retries every
             # request); this thread still finishes it before the next save
