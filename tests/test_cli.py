@@ -180,3 +180,88 @@ def test_the_demo_says_where_its_files_are_and_that_it_removes_them(tmp_path, ca
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"checkpoints, events and logs are in {kept}")
     assert kept.is_dir()
+
+
+def _steps_100_and_200(root: pathlib.Path) -> str:
+    with ckptd.Checkpointer(str(root), run_id="cli") as c:
+        for s in (100, 200):
+            c.save({"w": torch.full((2,), float(s))}, step=s)
+    return str(root)
+
+
+@pytest.mark.parametrize("argv", [["{root}/step-100"], ["{root}", "--step", "100"],
+                                  ["{root}/step-000000100"], ["{root}/step-100/", "--step", "100"]])
+def test_a_step_is_named_short_padded_or_with_step(tmp_path, capsys, argv):
+    root = _steps_100_and_200(tmp_path / "r")
+    argv = [a.format(root=root) for a in argv]
+    assert main(["inspect", *argv]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint {root}/step-000000100"
+    assert main(["verify", *argv]) == 0
+    assert "step 100:" in capsys.readouterr().out
+    assert main(["history", *argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 100
+
+
+def test_a_step_that_is_not_there_says_which_are(tmp_path, capsys):
+    root = _steps_100_and_200(tmp_path / "r")
+    assert main(["inspect", f"{root}/step-150"]) == 2
+    assert capsys.readouterr().err == (
+        f"ckptd inspect: error: {root}: step 150: no such step (committed: 200, 100)\n")
+    assert main(["inspect", f"{root}/step-100", "--step", "200"]) == 2
+    assert capsys.readouterr().err == (f"ckptd inspect: error: {root}/step-100 and --step 200 "
+                                       "name different steps: give one of them\n")
+    # a root that happens to be named like a step stays a root
+    other = _steps_100_and_200(tmp_path / "step-5")
+    assert main(["inspect", other]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint {other}/step-000000200"
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect"])
+def test_output_into_a_closed_pipe_exits_0_quietly(tmp_path, command):
+    # `ckptd ls ROOT | head -1`, without the race: the reader is gone before the first write
+    root = _saved(tmp_path / "r")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        p = subprocess.run([sys.executable, "-m", "ckptd.cli", command, root], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert (p.returncode, p.stderr) == (0, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(tmp_path, capsys, monkeypatch):
+    from ckptd.cli import steps
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a socket to a storage server
+
+    monkeypatch.setattr(steps, "cmd_ls", broken)
+    assert main(["ls", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "ckptd ls: error: [Errno 32] Broken pipe\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["reshard", "{root}", "--to-world", "0", "--dry-run"], "argument --to-world"),
+    (["reshard", "{root}", "--to-world", "2", "--tp", "0", "--dry-run"], "argument --tp"),
+    (["layout", "{root}", "--world", "0"], "argument --world"),
+    (["layout", "{root}", "--pp", "-1"], "argument --pp"),
+])
+def test_a_world_size_or_degree_below_1_is_refused(tmp_path, capsys, argv, message):
+    root = _saved(tmp_path / "r", steps=(1,))
+    with pytest.raises(SystemExit) as e:
+        main([a.format(root=root) for a in argv])
+    value = argv[argv.index(message.split()[1]) + 1]
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: {message}: must be an integer >= 1, got '{value}'")
+
+
+def test_history_plot_of_a_checkpoint_without_elastic_metadata_is_one_line(tmp_path, capsys):
+    root = _saved(tmp_path / "r", steps=(1,))
+    assert main(["history", root, "--plot", str(tmp_path / "h.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "h.png").exists()
+    assert err == (f"ckptd history: error: {root} step 1 has no elastic metadata (it was not "
+                   "saved by ckptd.elastic): no history to plot (without --plot, `ckptd "
+                   "history` lists its steps)\n")

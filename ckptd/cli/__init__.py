@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -19,11 +20,15 @@ from ckptd.errors import CkptdError
 DESCRIPTION = """\
 Checkpoints of distributed PyTorch training that do not belong to a world size: list, inspect,
 verify, reshard, export and garbage-collect them, and plan elastic batch settings. CKPT is a
-checkpoint root (meaning its latest committed step) or ROOT/step-NNNNNNNNN; ROOT is a local path
-or an fsspec URL (s3://bucket/prefix). Every command prints a one-line reason and exits non-zero
-on bad input, and takes --json where a machine reads the output."""
+checkpoint root (meaning its latest committed step), ROOT/step-N (step-100 or step-000000100)
+or ROOT with --step N; ROOT is a local path or an fsspec URL (s3://bucket/prefix). Every
+command takes --json where a machine reads the output."""
 
-EPILOG = "docs/guide.md has the library; set CKPTD_DEBUG=1 to see a traceback on an error."
+EPILOG = """\
+Exit status: 0 done (also when standard output is closed early, as by `ckptd ls ROOT | head
+-1`: the command stops quietly); 2 an error, in one line on stderr (bad input, no such
+checkpoint, damaged bytes, storage refused); 3 a bug in ckptd, in one line with how to see its
+traceback (set CKPTD_DEBUG=1); 130 interrupted. docs/guide.md has the library."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,25 +57,47 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
-    except BrokenPipeError:  # `ckptd inspect CKPT | head`: the reader has seen enough
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
-        return 1
+        code = int(args.fn(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError as e:
+        if _stdout_closed():  # `ckptd ls ROOT | head -1`: the reader has seen enough
+            return 0
+        error: Exception = e  # another pipe or socket: an error like any other
     except KeyboardInterrupt:
         print(f"ckptd {args.command}: interrupted", file=sys.stderr)
         return 130
     except (CkptdError, OSError, ValueError) as e:
-        if config.DEBUG.get():
-            raise
-        print(f"ckptd {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        error = e
     except Exception as e:  # noqa: BLE001 - a bug: still one line, and how to see more
         if config.DEBUG.get():
             raise
         print(f"ckptd {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
               "(set CKPTD_DEBUG=1 for the traceback)", file=sys.stderr)
         return 3
+    if config.DEBUG.get():
+        raise error
+    print(f"ckptd {args.command}: error: {_one_line(error)}", file=sys.stderr)
+    return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader went away (poll reports an error on a
+    pipe's write end once it has no reader). If so, it now points at /dev/null: what is still
+    buffered for it goes there when the interpreter flushes at exit, instead of raising a
+    second BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture)
+        return False
+    poll = select.poll()
+    poll.register(fd, 0)  # POLLERR is always reported
+    if not any(events & select.POLLERR for _, events in poll.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
 
 
 def _one_line(e: BaseException) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import catalog
-from ckptd.cli.common import CKPT_HELP, Add, human, table
+from ckptd.cli.common import Add, add_ckpt, ckpt_url, human, table
 from ckptd.elastic.history import ElasticPolicy, HistoryEntry, NotElastic, TrainingMeta
 from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec, infer_model
 from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown
@@ -53,9 +53,10 @@ def register(add: Add) -> None:
 
     h = add("history", cmd_history, "steps, world sizes and sizes of any root; batch settings "
                                     "and churn where the elastic metadata has them")
-    h.add_argument("ckpt", help=CKPT_HELP)
+    add_ckpt(h)
     h.add_argument("--plot", metavar="FILE",
-                   help="write world size / global batch / loss as a PNG (elastic runs)")
+                   help="write world size / global batch / loss as a PNG (a checkpoint of an "
+                        "elastic run: any other is an error, before anything is printed)")
 
     d = add("demo", cmd_demo, "the elastic demo: real torchrun agents on 127.0.0.1")
     d.add_argument("--phase-steps", type=int, default=40,
@@ -110,7 +111,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     policy = ElasticPolicy()
     saved_world: int | None = None
     if args.source:
-        storage, h = _open(args.source, args.storage_options)
+        storage, h = _open(ckpt_url(args, args.source), args.storage_options)
         try:
             meta = TrainingMeta.from_json(h.training, args.source)
             model, previous, policy = meta.model, meta.reference, meta.policy
@@ -200,13 +201,17 @@ def step_rows(storage: Storage) -> list[dict[str, Any]]:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    storage, h = _open(args.ckpt, args.storage_options)
+    storage, h = _open(ckpt_url(args), args.storage_options)
     step = h.step
     try:
         meta: TrainingMeta | None = TrainingMeta.from_json(h.training,
                                                             f"{storage.url} step {step}")
     except NotElastic:
         meta = None
+    if args.plot and meta is None:  # an error, not a table and then an error
+        raise NotElastic(f"{storage.url} step {step} has no elastic metadata (it was not saved "
+                         "by ckptd.elastic): no history to plot (without --plot, `ckptd "
+                         "history` lists its steps)")
     steps = step_rows(storage)
     if args.json:
         out: dict[str, Any] = {"step": step, "steps": steps}
@@ -236,10 +241,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         if meta is None:
             print(f"step {step} has no elastic training metadata (it was not saved by "
                   "ckptd.elastic): no batch history to show")
-    if args.plot:
-        if meta is None:
-            raise NotElastic(f"{storage.url} step {step}: --plot draws an elastic run's history;"
-                             " this checkpoint has no elastic metadata")
+    if args.plot and meta is not None:
         from ckptd.elastic.plot import plot_history
 
         plot_history(meta, args.plot, last_step=step)

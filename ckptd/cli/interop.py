@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from ckptd.cli.common import CKPT_HELP, Add, human, progress
+from ckptd.cli.common import Add, add_ckpt, ckpt_url, human, progress
 
 SHARD_DEFAULT = "50GB"
 
@@ -37,7 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(unusable) or '--max-shard-size'}: safetensors only")
         with _bar("export") as bar:
             report: Any = export_dcp(
-                args.ckpt, args.out, storage_options=args.storage_options, progress=bar.update
+                ckpt_url(args), args.out, storage_options=args.storage_options, progress=bar.update
             )
         summary = (
             f"wrote {report.items} items of {report.tensors} tensors ({human(report.nbytes)}) "
@@ -53,7 +53,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         with _bar("export") as bar:
             report = export_safetensors(
-                args.ckpt,
+                ckpt_url(args),
                 args.out,
                 select=args.select,
                 strip_prefix=args.strip_prefix,
@@ -109,7 +109,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 def register(add: Add) -> None:
     ex = add("export", cmd_export, "write a checkpoint as safetensors (Hugging Face) or DCP")
-    ex.add_argument("ckpt", help=CKPT_HELP)
+    add_ckpt(ex)
     ex.add_argument("--format", choices=["safetensors", "dcp"], required=True,
                     help="safetensors (Hugging Face: whole tensors, consolidated from every "
                     "rank, in shards + index + config.json) or dcp")

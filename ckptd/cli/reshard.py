@@ -7,7 +7,16 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
+from ckptd.cli.common import (
+    Add,
+    add_ckpt,
+    ckpt_url,
+    human,
+    open_ckpt,
+    positive_int,
+    progress,
+    table,
+)
 
 if TYPE_CHECKING:
     from ckptd.elastic.resharder import RankReport
@@ -15,11 +24,13 @@ if TYPE_CHECKING:
 
 def register(add: Add) -> None:
     r = add("reshard", cmd_reshard, "rewrite a checkpoint packed per rank of a target world")
-    r.add_argument("ckpt", help=CKPT_HELP)
-    r.add_argument("--to-world", type=int, required=True, metavar="N",
+    add_ckpt(r)
+    r.add_argument("--to-world", type=positive_int, required=True, metavar="N",
                    help="the world size to pack the checkpoint for")
-    r.add_argument("--tp", type=int, help="tensor-parallel size (overrides the layout file)")
-    r.add_argument("--pp", type=int, help="pipeline-parallel size (overrides the layout file)")
+    r.add_argument("--tp", type=positive_int,
+                   help="tensor-parallel size (overrides the layout file)")
+    r.add_argument("--pp", type=positive_int,
+                   help="pipeline-parallel size (overrides the layout file)")
     r.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                    help="ZeRO stage (default: the layout file's, else the re-planned one)")
     r.add_argument("--layout", metavar="FILE", help="layout file (default: inferred, as "
@@ -37,12 +48,15 @@ def register(add: Add) -> None:
     r.add_argument("--max-micro-batch-size", type=int, help="re-plan: largest micro-batch")
     r.add_argument("--tolerance", type=float, help="re-plan: global batch band (default 0.10)")
     lay = add("layout", cmd_layout, "write a starting layout file for `reshard --layout`")
-    lay.add_argument("ckpt", help=CKPT_HELP)
-    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    add_ckpt(lay)
+    lay.add_argument("--tp", type=positive_int, default=1,
+                     help="tensor-parallel size (default 1)")
+    lay.add_argument("--pp", type=positive_int, default=1,
+                     help="pipeline-parallel size (default 1)")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage (default 0)")
-    lay.add_argument("--world", type=int, help="check the layout against this world size")
+    lay.add_argument("--world", type=positive_int,
+                     help="check the layout against this world size")
     lay.add_argument("--out", metavar="FILE", help="default: standard output")
     lay.add_argument("--format", choices=("toml", "json"),
                      help="default: from --out's extension, else toml")
@@ -53,7 +67,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from ckptd.loader.layout_file import dumps
     from ckptd.loader.targets import Resolver
 
-    storage, step, manifest = open_ckpt(args.ckpt, args.storage_options)
+    storage, step, manifest = open_ckpt(args)
     spec = infer_layout(manifest, args.tp, args.pp, args.zero)
     fmt = args.format or ("json" if (args.out or "").endswith(".json") else "toml")
     header = (f"ckptd layout inferred from {storage.url} step {step} for tp {args.tp}, pp "
@@ -84,7 +98,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
     if not args.dry_run and not args.out:
         raise ValueError("--out DEST is required (or --dry-run)")
-    plan = plan_reshard(args.ckpt, args.to_world, tp=args.tp, pp=args.pp, zero=args.zero,
+    plan = plan_reshard(ckpt_url(args), args.to_world, tp=args.tp, pp=args.pp, zero=args.zero,
                         layout=args.layout, storage_options=args.storage_options,
                         threads=args.threads, budget=args.budget,
                         compression=args.compression, mem_limit_gib=args.mem_limit_gib,

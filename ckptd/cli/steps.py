@@ -9,23 +9,32 @@ import time
 from typing import Any
 
 from ckptd import catalog
-from ckptd.cli.common import CKPT_HELP, Add, human, open_ckpt, progress, table
+from ckptd.cli.common import (
+    Add,
+    add_ckpt,
+    human,
+    open_ckpt,
+    open_root,
+    progress,
+    resolve_ckpt,
+    table,
+)
 from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.manifest import layout
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import Storage
 
 
 def register(add: Add) -> None:
     ls = add("ls", cmd_ls, "committed steps, sizes, world sizes (damaged steps flagged)")
     ls.add_argument("root", help="the checkpoint root: a path or fsspec URL")
     ins = add("inspect", cmd_inspect, "logical tensors, dtypes, shapes, chunks, metadata")
-    ins.add_argument("ckpt", help=CKPT_HELP)
+    add_ckpt(ins)
     ver = add("verify", cmd_verify,
               "re-read every byte: checksums, coverage, agreement of replicated copies")
-    ver.add_argument("ckpt", help=CKPT_HELP)
+    add_ckpt(ver)
     fin = add("finalize", cmd_finalize,
               "commit the root owner's steps whose partials are complete but not committed")
-    fin.add_argument("ckpt", help="ROOT (every such step) or ROOT/step-NNNNNNNNN")
+    add_ckpt(fin, "ROOT (every such step), ROOT/step-N or ROOT with --step N")
     gc = add("gc", cmd_gc, "remove what no committed step names and no save can still commit "
                            "(and old steps with --keep-last); abort abandoned S3 uploads")
     gc.add_argument("root", help="the checkpoint root: a path or fsspec URL")
@@ -36,24 +45,6 @@ def register(add: Add) -> None:
         help="abort incomplete multipart uploads (S3) at least this old (default: "
         "CKPTD_GC_UPLOAD_MIN_AGE_S, 3600, or twice the commit timeout if longer; must exceed "
         "the commit timeout); those under removed attempts whatever their age")
-
-
-def open_root(url: str, storage_options: dict[str, Any] | None) -> Storage:
-    """The storage of a ckptd root; a missing path, a file or an unrelated directory is an
-    error (a listing of "nothing" would read as "no checkpoints yet")."""
-    storage = open_storage(url, storage_options)
-    names = storage.list_dir("")
-    if layout.OWNER in names or any(layout.parse_step_dir(n) is not None for n in names):
-        return storage
-    if not names and not storage.exists(""):
-        raise CheckpointNotFound(f"{storage.url}: no such checkpoint root")
-    if "://" not in storage.url:
-        import os
-
-        if not os.path.isdir(storage.url):
-            raise CkptdError(f"{storage.url}: not a directory (a checkpoint root is one)")
-    raise CkptdError(
-        f"{storage.url}: not a ckptd checkpoint root (no {layout.OWNER}, no step-* directories)")
 
 
 def _row(storage: Storage, step: int) -> dict[str, Any]:
@@ -99,7 +90,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage, step, m = open_ckpt(args.ckpt, args.storage_options)
+    storage, step, m = open_ckpt(args)
     if args.json:
         print(json.dumps(m.to_json(), indent=1))
         return 0
@@ -131,7 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd import config
     from ckptd.loader.verify import verify
 
-    storage, step, m = open_ckpt(args.ckpt, args.storage_options)
+    storage, step, m = open_ckpt(args)
     bar = progress(m.nbytes, "verify")
     try:
         with ThreadPoolExecutor(config.io_threads()) as pool:
@@ -156,8 +147,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_finalize(args: argparse.Namespace) -> int:
     from ckptd.writer import commit
 
-    root, step = catalog.split_step_url(args.ckpt)
-    storage = open_root(root, args.storage_options)
+    storage, step = resolve_ckpt(args.ckpt, args.step, args.storage_options, committed=False)
     committed = set(catalog.committed_steps(storage))
     steps = [step] if step is not None else [
         s for s in catalog.all_steps(storage) if s not in committed]
