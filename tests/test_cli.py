@@ -18,6 +18,7 @@ import torch
 
 import ckptd
 from ckptd.cli import build_parser, main
+from ckptd.cli.elastic import remove_all_but
 from ckptd.manifest import layout as L
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -171,8 +172,8 @@ def test_the_demo_says_where_its_files_are_and_that_it_removes_them(tmp_path, ca
     assert main(["demo", "--script", str(tmp_path / "missing.py"), "--phase-steps", "1"]) == 2
     out = capsys.readouterr().out.splitlines()
     workdir = out[0].split()[2]
-    assert out[0] == (f"working directory {workdir} (temporary: removed at the end; --keep or "
-                      "--workdir DIR keeps it)")
+    assert out[0] == (f"working directory {workdir} (temporary: all but history.png removed at "
+                      "the end; --keep or --workdir DIR keeps it)")
     assert out[-1] == f"removed {workdir} (pass --keep or --workdir DIR to keep it)"
     assert not os.path.exists(workdir)
     kept = tmp_path / "kept"
@@ -180,6 +181,17 @@ def test_the_demo_says_where_its_files_are_and_that_it_removes_them(tmp_path, ca
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"checkpoints, events and logs are in {kept}")
     assert kept.is_dir()
+
+
+def test_the_demo_keeps_only_its_plot_of_a_temporary_directory(tmp_path):
+    work = tmp_path / "work"
+    (work / "ckpt" / "step-000000010").mkdir(parents=True)
+    (work / "events.jsonl").write_text("{}")
+    (work / "history.png").write_bytes(b"png")
+    assert remove_all_but(work, work / "history.png") == work / "history.png"
+    assert sorted(p.name for p in work.iterdir()) == ["history.png"]
+    elsewhere = tmp_path / "elsewhere.png"  # --plot FILE outside it: all of it goes
+    assert remove_all_but(work, elsewhere) is None and not work.exists()
 
 
 def _steps_100_and_200(root: pathlib.Path) -> str:

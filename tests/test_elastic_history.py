@@ -231,7 +231,8 @@ def test_the_demo_summary_splits_phases_at_each_resume() -> None:
     assert (second.ended_by, second.downtime_s) == ("node lost", 16.0 - 11.2)
     assert (third.ended_by, third.bytes_from) == ("done", None)
     table = render_phases([first, second, third])
-    assert "| 2 (scale-down) | 2 | 2–4 | 1 × 6 | 2 | 12 |" in table
+    assert "| 2 (scale-down) | 2 | 3–4 | 1 × 6 | 2 | 12 |" in table  # the steps it trained
+    assert "| 3 (scale-down) | 1 | none |" in table  # no step event came before "done"
     assert "| 0.15 s | 4 / 2 / 1 | node lost |" in table
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -320,18 +323,34 @@ def test_the_cluster_leaves_no_process_behind_when_interrupted(tmp_path: Path) -
 
 
 def test_ckptd_demo_runs_end_to_end_and_draws_the_history(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    png = tmp_path / "history.png"
-    agents_before = _ckptd_agents()
-    assert main(["demo", "--workdir", str(tmp_path / "demo"), "--plot", str(png),
-                 "--phase-steps", "15", "--cooldown-s", "2"]) == 0
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    # the current directory and the temporary directory (the demo's, torchrun's, the agents')
+    # are empty ones of this test's: what the demo leaves in them shows. The temporary one is
+    # short: the agents' sockets are in it (a socket path has at most 107 bytes)
+    cwd, tmp = tmp_path / "cwd", Path(tempfile.mkdtemp(prefix="ckd"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    workdir = tmp_path / "demo"
+    assert main(["demo", "--workdir", str(workdir), "--phase-steps", "15",
+                 "--cooldown-s", "2"]) == 0
     out = capsys.readouterr().out
     assert "SIGTERM to node b" in out and "training on 4 nodes" in out and "is lost" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "(" in line]
     assert [row.split("|")[2].strip() for row in rows] == ["3", "2", "3", "4", "3"]
     assert "node lost" in rows[3]
     assert all(row.rstrip(" |").endswith("yes") for row in rows), "a step read other samples"
+    # the live log and the table agree on where each phase's training starts
+    live = [int(m) for m in re.findall(r"training on \d nodes from step (\d+)", out)]
+    assert live == [int(row.split("|")[3].split("–")[0]) for row in rows]
+    # the plot is in the work directory, and the output says so; nothing is left elsewhere
+    png = workdir / "history.png"
+    assert f"wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(cwd.iterdir()) == [] and list(tmp.iterdir()) == []
     _, meta = read_meta(str(tmp_path / "demo" / "ckpt"))
     assert [e.world_size for e in meta.history] == [3, 2, 3, 4, 3]
     assert {e.global_batch_size for e in meta.history} == {12}
@@ -341,15 +360,16 @@ def test_ckptd_demo_runs_end_to_end_and_draws_the_history(
     # restarts read from the node agents' memory (one may miss it: a node lost while a save
     # was in flight leaves the agents holding that uncommitted step, not the one loaded)
     assert sum(1 for e in restarts if e.bytes_from_memory) >= len(restarts) - 1
-    # the demo stopped every node agent it started (those of other runs on this machine, if
-    # any, were there before)
-    assert _ckptd_agents() - agents_before == set()
+    # the demo stopped every node agent it started: those with their directory in its
+    # temporary directory (other runs on this machine may start and stop agents meanwhile)
+    assert _ckptd_agents(tmp) == set()
 
 
-def _ckptd_agents() -> set[str]:
-    """The ckptd node agents running on this machine (their /proc entries)."""
+def _ckptd_agents(under: Path) -> set[str]:
+    """The ckptd node agents running on this machine with their directory under ``under``
+    (their /proc entries)."""
     return {p.name for p in Path("/proc").iterdir() if p.name.isdigit()
-            and b"ckptd.agent" in _cmdline(p)}
+            and b"ckptd.agent" in (cmd := _cmdline(p)) and f"--dir\0{under}/".encode() in cmd}
 
 
 def _cmdline(proc: Path) -> bytes:

@@ -65,10 +65,11 @@ def register(add: Add) -> None:
     d.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM -> SIGKILL (s)")
     d.add_argument("--no-agent", dest="agents", action="store_false",
                    help="no ckptd node agents: every restart reads from storage")
-    d.add_argument("--plot", default="history.png", help="where to draw the history")
+    d.add_argument("--plot", type=Path, metavar="FILE",
+                   help="where to draw the history (default: history.png in the work directory)")
     d.add_argument("--workdir", type=Path,
                    help="keep checkpoints, events and logs here (default: a temporary "
-                        "directory, removed at the end unless --keep)")
+                        "directory, removed at the end but for its history.png unless --keep)")
     d.add_argument("--keep", action="store_true", help="keep the temporary workdir")
     d.add_argument("--script", type=Path, help="the training script (default: the checkout's "
                    "integrations/torchrun/train.py)")
@@ -252,7 +253,6 @@ def cmd_history(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
     import dataclasses
-    import shutil
     import tempfile
 
     from ckptd.demo.timeline import run_demo
@@ -266,9 +266,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          "pip install 'ckptd[plot]'") from None
     own = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="ckptd-demo-") if own else args.workdir)
+    png = args.plot if args.plot is not None else workdir / "history.png"
     say = sys.stderr if args.json else sys.stdout
-    if own and not args.keep:
-        print(f"working directory {workdir} (temporary: removed at the end; --keep or "
+    tidy = own and not args.keep
+    if tidy:
+        what = "all but history.png" if args.plot is None else "it"
+        print(f"working directory {workdir} (temporary: {what} removed at the end; --keep or "
               "--workdir DIR keeps it)", file=say, flush=True)
     try:
         result = run_demo(workdir, phase_steps=args.phase_steps, cooldown_s=args.cooldown_s,
@@ -276,20 +279,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           read_training=read_latest_training, agents=args.agents,
                           out=lambda line: print(line, flush=True, file=say))
         step, meta = read_meta(result.ckpt)
-        plot_history(meta, args.plot, last_step=step,
+        plot_history(meta, str(png), last_step=step,
                      title=f"ckptd demo: {len(result.phases)} phases, step {step}")
         if args.json:
             print(json.dumps({"elapsed_s": result.elapsed_s, "exit_codes": result.exit_codes,
-                              "workdir": str(workdir), "kept": not own or args.keep,
+                              "workdir": str(workdir), "kept": not tidy, "plot": str(png),
                               "phases": [dataclasses.asdict(p) for p in result.phases]}, indent=1))
         else:
             print(f"\ndone in {result.elapsed_s:.0f} s; {meta.consumed_samples} samples "
-                  f"consumed over {step} steps; wrote {args.plot}\n")
+                  f"consumed over {step} steps; wrote {png}\n")
             print(render_phases(result.phases))
     finally:
-        if own and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-            print(f"removed {workdir} (pass --keep or --workdir DIR to keep it)", file=say)
+        if tidy:
+            kept = remove_all_but(workdir, png)
+            print(f"removed {workdir} (pass --keep or --workdir DIR to keep it)" if kept is None
+                  else f"removed the checkpoints, events and logs in {workdir} (pass --keep or "
+                  f"--workdir DIR to keep them); the plot stays: {kept}", file=say)
         else:
             print(f"checkpoints, events and logs are in {workdir}", file=say)
     return 0
+
+
+def remove_all_but(workdir: Path, keep: Path) -> Path | None:
+    """Remove ``workdir`` but for the file ``keep``, if it is there (its path is returned);
+    else remove all of it (None)."""
+    import shutil
+
+    if keep.parent.resolve() != workdir.resolve() or not keep.is_file():
+        shutil.rmtree(workdir, ignore_errors=True)
+        return None
+    for entry in workdir.iterdir():
+        if entry.name == keep.name:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    return keep

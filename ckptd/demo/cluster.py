@@ -179,7 +179,10 @@ class Cluster:
                f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1", "--max-restarts=100",
-               f"--monitor-interval={self.monitor_interval}", str(self.script),
+               f"--monitor-interval={self.monitor_interval}",
+               # torchrun's per-attempt directories (its workers' error files): in the work
+               # directory, not a torchelastic_* directory of its own left in $TMPDIR
+               f"--log-dir={self.workdir / 'torchrun' / name}", str(self.script),
                *self.train_args, "--events", str(self.events_path)]
         env = {**os.environ, **AGENT_ENV,
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.grace_s))}

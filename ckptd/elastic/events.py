@@ -125,8 +125,11 @@ def render_phases(phases: list[Incarnation]) -> str:
         # incarnation starts earlier and trains them again
         redone = p.last_step - phases[i].first_step if i < len(phases) else 0
         ended = f"{p.ended_by} ({redone} steps redone)" if redone > 0 else p.ended_by
+        # the steps it trained: it resumed from first_step (as the live log's "training on N
+        # nodes from step first_step + 1" says)
+        steps = f"{p.first_step + 1}–{p.last_step}" if p.last_step > p.first_step else "none"
         lines.append(
-            f"| {i} ({p.reason}) | {p.world} | {p.first_step}–{p.last_step} | "
+            f"| {i} ({p.reason}) | {p.world} | {steps} | "
             f"{t['micro_batch_size']} × {t['gradient_accumulation_steps']} | {t['zero_stage']} | "
             f"{p.world * t['micro_batch_size'] * t['gradient_accumulation_steps']} | {p.saves} | "
             f"{ms(p.stall_median_s)} / {ms(p.stall_max_s)} | {s(p.load_s)} | "
