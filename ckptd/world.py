@@ -3,10 +3,12 @@ collectives that make ranks agree (:func:`gather_object`, :func:`from_rank0`).""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ckptd import config
@@ -15,10 +17,29 @@ from ckptd.errors import CkptdError
 T = TypeVar("T")
 
 
+# Set inside :func:`alone`: this thread's ckptd calls make no collectives.
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptd_alone", default=False)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Inside, this process is a world of its own for ckptd (rank 0 of 1): no collectives
+    even when a process group is initialised. For a caller that saves or loads on one rank
+    while its peers do not take part (a framework that checkpoints from rank 0 alone)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
 def dist_or_none() -> Any:
-    """``torch.distributed`` when a process group is initialised, else None."""
+    """``torch.distributed`` when a process group is initialised (and not inside
+    :func:`alone`), else None."""
     import torch.distributed as dist
 
+    if _ALONE.get():
+        return None
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -68,8 +89,10 @@ def fail_together(
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``rank`` and ``world_size``, each (when None) from the process group, else from the
     launcher's ``RANK`` / ``WORLD_SIZE`` (0 and 1 by default); a rank outside the world is a
-    :class:`CkptdError`."""
+    :class:`CkptdError`. Inside :func:`alone`: 0 and 1."""
     dist = dist_or_none()
+    if _ALONE.get():
+        rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
     if rank is None:
         rank = dist.get_rank() if dist else int(os.environ.get("RANK", 0))
     if world_size is None:

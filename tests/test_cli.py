@@ -112,6 +112,14 @@ def test_inspect_into_head_exits_quietly(tmp_path):
     assert p.stderr == ""
 
 
+def test_inspect_shows_bytes_values_by_their_size(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    with ckptd.Checkpointer(root, run_id="cli") as c:  # a dataloader's pickled position
+        c.save({"w": torch.ones(2), "loader": {"state": b"\x80\x04K\x07.", "n": 7}}, step=1)
+    assert main(["inspect", root]) == 0
+    assert 'values: {"loader/n": 7, "loader/state": "<5 bytes>"}' in capsys.readouterr().out
+
+
 def test_an_error_is_one_line_and_a_bug_is_one_line_with_a_hint(tmp_path, capsys, monkeypatch):
     assert main(["inspect", str(tmp_path / "nothing-here")]) == 2
     err = capsys.readouterr().err

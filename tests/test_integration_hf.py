@@ -5,6 +5,9 @@ only the model's tensors go out, and an export without config is refused."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +52,33 @@ def test_from_pretrained_of_a_compiled_llama_export_is_bit_exact_with_no_missing
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert main(base + ["--config-from", str(tmp_path / "base")]) == 2  # not empty
     assert "--overwrite" in capsys.readouterr().err
+
+
+def _hf_blocks() -> list[str]:
+    """The two blocks of docs/integrations.md's Hugging Face section: the command, the load."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    section = text[text.index("## Hugging Face"):]
+    return re.findall(r"```text\n(.*?)```", section, re.S)[:2]
+
+
+def test_the_documented_export_command_and_load_are_bit_exact(tmp_path, monkeypatch, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    command, load = _hf_blocks()
+    monkeypatch.chdir(tmp_path)
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=16, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    config.save_pretrained("base-model")
+    with ckptd.Checkpointer("ckpts", agent=False) as ck:
+        ck.save({"model": torch.compile(model, backend="eager").state_dict(), "step": 3})
+    args = shlex.split(command.strip())
+    assert args[0] == "ckptd" and main(args[1:]) == 0
+    namespace: dict[str, object] = {}
+    exec(compile(load, "<docs/integrations.md>", "exec"), namespace)
+    loaded = namespace["model"]
+    assert isinstance(loaded, LlamaForCausalLM)
+    want, got = model.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -4,6 +4,7 @@ them; the step of a torchtitan-style directory is carried over."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,40 @@ def test_the_step_of_an_import_comes_from_the_flag_the_name_or_train_state(tmp_p
         with ckptd.Checkpointer(str(root), read_only=True) as ck:
             assert ck.latest_step() == int(said.split()[2])
     assert Path(tmp_path / "plain").is_dir()
+
+
+def _load_full(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The FSDP2 model's and AdamW's state loaded from ``root`` on this world, gathered whole."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt, _ = _fsdp2_state(rank, world)
+    msd, osd = get_state_dict(model, opt)
+    for t in [*msd.values(), *(v for s in osd["state"].values() for v in s.values())]:
+        t.zero_()
+    with ckptd.Checkpointer(root, read_only=True) as ck:
+        ck.load({"model": msd, "optimizer": osd}, strict=False)
+    return {"model": {k: v.full_tensor() for k, v in msd.items()},
+            "optimizer": {k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v
+                              for n, v in s.items()} for k, s in osd["state"].items()}}
+
+
+def test_reshard_of_an_imported_fsdp2_checkpoint_keeps_it_sharded_and_says_why(tmp_path, capsys):
+    src, root, out = tmp_path / "step-7", str(tmp_path / "root"), str(tmp_path / "on3")
+    multirank.run(_save_like_torchtitan, 2, str(src))
+    assert main(["import-dcp", str(src), "--out", root, "--trust"]) == 0
+    capsys.readouterr()
+    assert main(["reshard", root, "--to-world", "3", "--out", out, "--json"]) == 0
+    said = capsys.readouterr()
+    report = json.loads(said.out)
+    assert ("layout from the source: parameters and optimizer state were saved sharded along "
+            "dim 0 (FSDP2) over 2 ranks; each target rank holds dim-0 shards") in said.err
+    # each of the 3 target ranks holds about a third, not the whole state (ZeRO 0's replicas)
+    held = [r["hold_bytes"] for r in report["ranks"]]
+    assert max(held) < 0.5 * report["nbytes"], held
+    dcp_to_torch_save(str(src), str(tmp_path / "a.pt"))
+    saved = torch.load(tmp_path / "a.pt", weights_only=False)
+    for got in multirank.run(_load_full, 3, out):
+        for k, v in got["model"].items():
+            assert torch.equal(v, saved["model"][k]), k
+        for k, s in got["optimizer"].items():
+            assert torch.equal(s["exp_avg_sq"], saved["optimizer"]["state"][k]["exp_avg_sq"]), k

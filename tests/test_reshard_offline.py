@@ -294,3 +294,32 @@ def test_reshard_into_a_root_a_job_trains_into_is_refused_and_the_job_keeps_it(
         assert not os.path.exists(os.path.join(live, L.step_dir(5)))
     finally:
         job.close()
+
+
+def _save_zero_like(rank: int, world: int, root: str, params_sharded: str) -> None:
+    """2 ranks: the optimizer state sharded by rows; the parameters whole on every rank
+    (``params_sharded="none"``: ZeRO 1), or one of two sharded too (``"one"``: neither)."""
+    w, b = torch.arange(24.0).view(6, 4), torch.arange(6.0)
+    rows = slice(3 * rank, 3 * rank + 3)
+    model: dict[str, Any] = {"w": w, "b": b}
+    if params_sharded == "one":
+        model["w"] = ckptd.Shard(w[rows].clone(), (6, 4), (3 * rank, 0))
+    optim = {"state": {"w": {"exp_avg": ckptd.Shard(w[rows] * 2, (6, 4), (3 * rank, 0))},
+                       "b": {"exp_avg": ckptd.Shard(b[rows] * 2, (6,), (3 * rank,))}}}
+    with ckptd.Checkpointer(root, keep_last=1) as ck:
+        ck.save({"model": model, "optim": optim}, step=1)
+
+
+@pytest.mark.parametrize(("params_sharded", "said", "zero"), [
+    ("none", "ZeRO 1 from the source layout: the optimizer state was saved sharded over 2 ranks, "
+             "the parameters whole", 1),
+    ("one", "ZeRO 0: the source layout cannot tell: 1 of 2 parameter tensors and 2 of 2 "
+            "optimizer tensors were saved sharded", 0),
+])
+def test_reshard_takes_the_zero_stage_from_the_source_layout_or_says_why_not(
+        tmp_path, capsys, params_sharded, said, zero):
+    root = str(tmp_path / "root")
+    multirank.run(_save_zero_like, 2, root, params_sharded)
+    assert main(["reshard", root, "--to-world", "3", "--dry-run", "--json"]) == 0
+    out = capsys.readouterr()
+    assert said in out.err and json.loads(out.out)["zero"] == zero

@@ -112,12 +112,14 @@ def _reshard(args: argparse.Namespace) -> int:
         bar.close()
     if r.replanned is not None:
         print(r.replanned.table, file=sys.stderr if args.json else sys.stdout)
+    if r.zero_from not in ("", "given", "re-planned"):
+        print(r.zero_from, file=sys.stderr if args.json else sys.stdout)
     out: dict[str, Any] = {"dry_run": r.dry_run}
     if not r.dry_run:
         out.update(url=r.url, attempt=r.attempt, nbytes=r.nbytes,
                    source_bytes_read=r.source_bytes_read)
     out.update(step=r.step, world_size=r.world_size, tp=r.tp, pp=r.pp, zero=r.zero,
-               ranks=[rep.to_json() for rep in r.reports])
+               zero_from=r.zero_from, ranks=[rep.to_json() for rep in r.reports])
     if r.replanned is not None:
         out["training_spec"] = r.replanned.training["spec"]
     if args.json:
@@ -127,8 +129,10 @@ def _reshard(args: argparse.Namespace) -> int:
         if not r.dry_run:
             print(f"read {human(r.source_bytes_read)} from the source (a block cache "
                   "serves the frames several target ranks share)")
+            stage = ("FSDP2 dim-0 shards" if r.zero_from.startswith("layout from the source")
+                     else f"ZeRO {r.zero}")
             print(f"committed {r.url}: world {r.world_size} (tp {r.tp}, pp {r.pp}, "
-                  f"dp {r.dp}, ZeRO {r.zero}), {human(r.nbytes)}")
+                  f"dp {r.dp}, {stage}), {human(r.nbytes)}")
     return 0
 
 

@@ -109,11 +109,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                      len(t.chunks), human(sum(c.length for c in t.chunks)), rank_s,
                      "/".join(codec_names)])
     print(table(rows, ["tensor", "dtype", "shape", "chunks", "bytes", "ranks", "codec"]))
-    if m.values:
-        print("values: " + json.dumps(m.values, sort_keys=True)[:2000])
+    if m.values:  # bytes (a dataloader's state) shown by their size
+        print("values: " + json.dumps(m.values, sort_keys=True, default=_shown)[:2000])
     if m.training:
         print("training: " + json.dumps(m.training, sort_keys=True)[:2000])
     return 0
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    raise TypeError(f"{type(value).__name__} in a manifest's values")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

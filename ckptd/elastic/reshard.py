@@ -78,6 +78,7 @@ class Resharded:
     reports: list[RankReport]  # per target rank: pieces, bytes held, written, read
     replanned: Replanned | None  # the elastic run's new batch settings, if it is one
     dry_run: bool
+    zero_from: str = ""  # where the ZeRO stage came from, when nobody gave it
     url: str | None = None  # the committed step (None: dry run)
     attempt: str | None = None
     nbytes: int = 0  # bytes written
@@ -134,7 +135,7 @@ def plan_reshard(ckpt: str, world: int, *, tp: int | None = None, pp: int | None
     and the ZeRO stage follows them unless ``zero`` is given."""
     from ckptd.catalog import open_step
     from ckptd.elastic.resharder import Resharder
-    from ckptd.loader.infer import infer_layout
+    from ckptd.loader.infer import infer_layout, is_fsdp2, propose_zero
     from ckptd.loader.layout_file import read_layout
     from ckptd.loader.targets import Resolver
 
@@ -146,6 +147,19 @@ def plan_reshard(ckpt: str, world: int, *, tp: int | None = None, pp: int | None
                                 max_micro_batch_size=max_micro_batch_size, tolerance=tolerance)
     planned_zero = (int(replanned.training["spec"]["zero_stage"])
                     if replanned is not None else None)
+    zero_from = "given" if zero is not None else "re-planned" if planned_zero is not None else ""
+    if zero is None and planned_zero is None and layout is None:
+        # an imported FSDP checkpoint is ZeRO 3 as saved; its layout says so
+        proposed, why = propose_zero(manifest)
+        planned_zero = proposed
+        if proposed == 3 and tp in (None, 1) and is_fsdp2(manifest):
+            planned_zero = 0  # FSDP2's own layout: stage 0's rules shard tensors along dim 0
+            zero_from = (f"layout from the source: {why}; each target rank holds dim-0 shards, "
+                         "as FSDP2 (ZeRO 3) does (--zero N: ZeRO flat buffers instead)")
+        elif proposed is not None:
+            zero_from = f"ZeRO {proposed} from the source layout: {why} (--zero chooses another)"
+        else:
+            zero_from = f"ZeRO 0: the source layout cannot tell: {why} (--zero chooses one)"
     if layout is not None:
         spec = read_layout(layout) if isinstance(layout, str) else layout
         spec = spec.with_parallel(tp, pp, zero)
@@ -161,7 +175,7 @@ def plan_reshard(ckpt: str, world: int, *, tp: int | None = None, pp: int | None
         replicate_small=config.get().replicate_small_bytes, compression=compression)
     plan = ReshardPlan(resharder, Resharded(storage.url, step, world, spec.tp, spec.pp,
                                             assignment.dp, spec.zero.stage, [], replanned,
-                                            True), manifest, storage_options)
+                                            True, zero_from), manifest, storage_options)
     return plan
 
 

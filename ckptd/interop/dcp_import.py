@@ -121,7 +121,8 @@ def import_dcp(
             declared[name] = TensorEntry(t.dtype, t.shape)
         run_id = uuid.uuid4().hex[:12]
         share = Share(step, f"{run_id}-000001", 0, 1, declared, values=values,
-                      tuples=frozenset(tuples))
+                      tuples=frozenset(tuples),
+                      training={"imported": {"format": "dcp", "ranks": _writers(index)}})
         commit.claim(storage, run_id)
         writer = RankWriter(storage, pool, StagingPool(1), codec, level)
         chunks: list[tuple[str, Chunk]] = []
@@ -155,6 +156,17 @@ def import_dcp(
         skipped,
         step_from,
     )
+
+
+def _writers(index: Any) -> int:
+    """How many ranks wrote the DCP checkpoint: DCP's FileSystemWriter names each rank's files
+    ``__<rank>_<n>.distcp``; other writers count one per data file."""
+    files = {c.item.file for t in index.tensors.values() for c in t.chunks}
+    ranks = {m.group(1) if (m := _WRITER.match(posixpath.basename(f))) else f for f in files}
+    return max(1, len(ranks))
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp$")
 
 
 def _batches(tensors: list[DcpTensor], budget: int) -> list[list[tuple[DcpTensor, DcpChunk]]]:

@@ -65,6 +65,23 @@ def _group_key(name: str) -> str:
     return (name.rpartition("/")[0] + "/*") if "/" in name else "*"
 
 
+def source_writers(manifest: Manifest) -> int:
+    """How many ranks wrote the checkpoint's source: an import of DCP records its writers
+    (``import-dcp`` writes as one rank, keeping each writer's chunk as one chunk)."""
+    imported = manifest.training.get("imported")
+    ranks = imported.get("ranks") if isinstance(imported, dict) else None
+    return ranks if isinstance(ranks, int) and ranks > 0 else manifest.world_size
+
+
+def _by_ranks(manifest: Manifest, name: str) -> bool:
+    """Whether ``name`` was saved in pieces of different ranks (different boxes)."""
+    chunks = manifest.tensors[name].chunks
+    if len({c.box for c in chunks}) < 2:
+        return False
+    return len({c.rank for c in chunks}) >= 2 or (manifest.world_size == 1
+                                                  and source_writers(manifest) > 1)
+
+
 def _dim0_sharded(manifest: Manifest, names: list[str]) -> bool:
     """Whether every tensor of ``names`` was saved sharded along dim 0 only, by several ranks:
     the shape of FSDP2 / DTensor ``Shard(0)`` on the data-parallel mesh."""
@@ -73,12 +90,44 @@ def _dim0_sharded(manifest: Manifest, names: list[str]) -> bool:
         if len(entry.shape) == 0:
             return False
         boxes = {c.box for c in entry.chunks}
-        if len(boxes) < 2 or len({c.rank for c in entry.chunks}) < 2:
+        if not _by_ranks(manifest, n):
             return False
         if any(b.offsets[1:] != (0,) * (len(b.offsets) - 1) or b.sizes[1:] != entry.shape[1:]
                for b in boxes):
             return False
     return bool(names)
+
+
+def propose_zero(manifest: Manifest) -> tuple[int | None, str]:
+    """The ZeRO stage the checkpoint's own layout shows, and why, in one line (None: it cannot
+    tell). Parameters and optimizer state saved sharded over ranks: 3 (FSDP2's dim-0 shards are
+    the layout :func:`infer_layout` keeps for stage 0, see :func:`is_fsdp2`); only the optimizer
+    state: 1 (2 differs from 1 in gradients, which no checkpoint holds); nothing sharded: 0.
+    Optimizer state is what a top-level key naming an optimizer holds."""
+    names = [n for n, t in manifest.tensors.items()
+             if not n.startswith(LOCAL_PREFIX + "/") and len(t.shape) > 0]
+    optim = [n for n in names if "optim" in n.split("/")[0].lower()]
+    params = [n for n in names if n not in set(optim)]
+    ranks = source_writers(manifest)
+    p = sum(_by_ranks(manifest, n) for n in params)
+    o = sum(_by_ranks(manifest, n) for n in optim)
+    if p == o == 0:
+        return 0, "every tensor was saved whole (replicated, or by one rank)"
+    if p == len(params) and o == len(optim):
+        how = "along dim 0 (FSDP2)" if is_fsdp2(manifest) else "(ZeRO 3)"
+        return 3, f"parameters and optimizer state were saved sharded {how} over {ranks} ranks"
+    if p == 0 and o == len(optim):
+        return 1, (f"the optimizer state was saved sharded over {ranks} ranks, the parameters "
+                   "whole (ZeRO 1; 2 differs only in gradients, which a checkpoint does not hold)")
+    return None, (f"{p} of {len(params)} parameter tensors and {o} of {len(optim)} optimizer "
+                  "tensors were saved sharded")
+
+
+def is_fsdp2(manifest: Manifest) -> bool:
+    """Whether every tensor but 0-d ones was saved as dim-0 shards of several ranks."""
+    names = [n for n, t in manifest.tensors.items()
+             if not n.startswith(LOCAL_PREFIX + "/") and len(t.shape) > 0]
+    return _dim0_sharded(manifest, names)
 
 
 def detect_layer_pattern(names: list[str]) -> str | None:
