@@ -73,6 +73,7 @@ class LocalStorage(Storage):
         # path component, four or five per file, each a metadata operation)
         self._dirs: dict[tuple[str, ...], int] | None = None
         self._dirs_lock = threading.Lock()
+        self._unsynced = threading.local()  # inside put_visible(): put_atomic without fsyncs
 
     @contextlib.contextmanager
     def deferred_durability(self) -> Iterator[None]:
@@ -95,8 +96,12 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def _fsync(self, fd: int) -> None:
-        if not self._defer:
-            os.fsync(fd)
+        if not self._defer and not getattr(self._unsynced, "on", False):
+            self._sync(fd)
+
+    def _sync(self, fd: int) -> None:
+        """The one place a file or directory is flushed to stable storage."""
+        os.fsync(fd)
 
     # -- paths ---------------------------------------------------------------------------------
     def _abs(self, path: str) -> str:
@@ -250,6 +255,15 @@ class LocalStorage(Storage):
             raise e if isinstance(e, StorageError) else storage_error(e, full) from e
         finally:
             os.close(dfd)
+
+    def put_visible(self, path: str, data: bytes) -> None:
+        """:meth:`put_atomic` (temp file + rename: a reader sees all or nothing) without its
+        two fsyncs; through ``put_atomic``, so a subclass that changes it changes this too."""
+        self._unsynced.on = True
+        try:
+            self.put_atomic(path, data)
+        finally:
+            self._unsynced.on = False
 
     def append_text(self, path: str, text: str) -> None:
         """Append to a log-like file (metrics); not part of the storage contract."""

@@ -237,7 +237,7 @@ def commit(
             )
     storage.put_atomic(path, manifest.encode())
     try:
-        storage.put_atomic(layout.LATEST, layout.step_dir(step).encode())
+        storage.put_visible(layout.LATEST, layout.step_dir(step).encode())  # advisory
     except OSError as e:
         log.warning("ckptd: step %d is committed, but the advisory %s was not moved: %s",
                     step, layout.LATEST, e)

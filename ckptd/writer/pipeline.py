@@ -240,7 +240,9 @@ class RankWriter:
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         """The rank's frame table, then its partial manifest (which names slices of it)."""
         partial = self.partial(share, chunks)
-        self.storage.put_atomic(
+        # visible, not synced: the live coordinator reads it; after a power loss a lost partial
+        # only means a takeover cannot commit this attempt (docs/format.md, *Fsyncs*)
+        self.storage.put_visible(
             layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
         )
         return partial
