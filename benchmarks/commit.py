@@ -13,6 +13,12 @@ standing for the protocol's wait, rank 0's manifest fsync'd, renamed, its direct
 and ``latest`` renamed — and the fsyncs each rank's save made (counted by a storage subclass).
 ``--runs`` alternates floor and saves that many times; the last table gives the medians of the
 runs' medians.
+
+The cost of waiting (``--wait-s``, 10 s; 0 skips it): in one process, rank 1 of a 2-rank job
+saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds later (the main
+thread sleeping meanwhile); the process's CPU time (``time.process_time``) over that window,
+per second of waiting, is what a rank's wait costs (no c10d store: storage only), against a
+floor of 0. Median of ``--runs``.
 """
 
 from __future__ import annotations
@@ -106,11 +112,41 @@ def _floor_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[floa
     return out[WARMUP:], (4.0 if rank == 0 else 2.0)
 
 
+def _wait_cpu(root: str, wait_s: float) -> tuple[float, int]:
+    """CPU seconds per second of waiting for a commit, and the polls counted."""
+    import ckptd
+    from ckptd.storage.local import LocalStorage
+
+    class Counted(LocalStorage):
+        reads = 0
+
+        def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+            Counted.reads += path.endswith("manifest.json")
+            return super().read_ranges(path, ranges)
+
+        def exists(self, path: str) -> bool:
+            Counted.reads += path.endswith("manifest.json")
+            return super().exists(path)
+
+    state = {"w": torch.ones(16)}
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="wait", keep_last=0) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="wait", keep_last=0,
+                               storage=Counted(root)) as c1:
+        h1 = c1.save_async(state, step=1)
+        t0 = time.process_time()
+        time.sleep(wait_s)
+        cpu = time.process_time() - t0
+        c0.save_async(state, step=1).result()
+        h1.result()
+    return cpu / wait_s, Counted.reads
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--saves", type=int, default=30)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--wait-s", type=float, default=10.0)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
 
@@ -120,6 +156,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{xs[int(0.9 * (len(xs) - 1))] * 1e3:.1f} ms | {syncs[0]:g} / "
                 f"{max(syncs[1:], default=0):g} |")
 
+    if args.wait_s > 0:
+        waits = []
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="ckptd-wait-", dir=args.dir) as root:
+                waits.append(_wait_cpu(root, args.wait_s))
+        print(f"waiting for a commit ({args.wait_s:g} s, storage only): CPU per second of "
+              f"waiting, median of {len(waits)}: "
+              f"{statistics.median(w for w, _ in waits) * 1e3:.2f} ms/s (floor 0; runs: "
+              + ", ".join(f"{w * 1e3:.2f} ms/s, {n} manifest probes" for w, n in waits)
+              + ")\n")
     medians: dict[str, list[float]] = {"save": [], "floor": []}
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:

@@ -319,3 +319,53 @@ def test_a_partial_of_a_newer_version_is_refused_naming_the_file(tmp_path):
         commit.finalize(storage, 1)
     for c in cs:
         c.close()
+
+
+def test_a_rank_waiting_for_the_commit_polls_without_walking_paths(tmp_path):
+    """Rank 1 waits for rank 0's commit: each poll asks the storage's probe (one stat of the
+    manifest and of the FAILED marker in directories opened once), walks no path and reads
+    nothing until the manifest appears."""
+    import threading
+
+    from ckptd.storage.local import LocalStorage
+
+    polled = threading.Event()
+    seen = {"polls": 0, "walks_while_polling": 0, "manifest_reads": 0}
+
+    class Watched(LocalStorage):
+        def _walk(self, parts, create):  # type: ignore[no-untyped-def]
+            if 2 <= seen["polls"] < 6:
+                seen["walks_while_polling"] += 1
+            return super()._walk(parts, create)
+
+        def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+            seen["manifest_reads"] += path.endswith("manifest.json")
+            return super().read_ranges(path, ranges)
+
+        def probe(self, paths):  # type: ignore[no-untyped-def]
+            import contextlib
+
+            @contextlib.contextmanager
+            def counted():  # type: ignore[no-untyped-def]
+                with super(Watched, self).probe(paths) as ask:
+                    def poll() -> list[bool]:
+                        seen["polls"] += 1
+                        if seen["polls"] >= 6:
+                            polled.set()
+                        return ask()
+                    yield poll
+            return counted()
+
+    root = str(tmp_path)
+    c0 = ckptd.Checkpointer(root, rank=0, world_size=2, run_id="job")
+    c1 = ckptd.Checkpointer(root, rank=1, world_size=2, run_id="job", storage=Watched(root))
+    state = {"w": torch.ones(4)}
+    h1 = c1.save_async(state, step=1)
+    assert polled.wait(60)
+    assert seen["walks_while_polling"] == 0
+    assert seen["manifest_reads"] == 0
+    c0.save_async(state, step=1).result()
+    assert h1.result().step == 1
+    assert seen["manifest_reads"] >= 1
+    for c in (c0, c1):
+        c.close()

@@ -15,8 +15,9 @@ none (temp file + rename + directory fsync on a filesystem; a single PUT on an o
 ``write_file``'s ``gate`` (a writer's pace and stop: the node agent's) is called before each
 block the backend writes (``gate(nbytes)``); what it raises leaves the file unfinished.
 
-Eight methods are abstract; six have a default that a backend overrides where it can do
-better: ``put_visible`` (atomic, not yet durable), ``open_read`` (a :class:`ReadSession`
+Eight methods are abstract; seven have a default that a backend overrides where it can do
+better: ``put_visible`` (atomic, not yet durable), ``probe`` (a waiter's cheap question
+whether some paths exist), ``open_read`` (a :class:`ReadSession`
 for one load), ``append_text``,
 ``poll_interval_s`` (the pauses of the commit protocol's polling), ``incomplete_uploads`` and
 ``abort_incomplete_uploads`` (invisible leftovers such as S3 multipart uploads, for
@@ -38,6 +39,7 @@ from ckptd import config
 from ckptd.buffers import Buffer
 
 Gate = Callable[[int], None]  # before each block of a data file: a writer's pace and stop
+Probe = Callable[[], list[bool]]  # whether each of the probed paths exists now (Storage.probe)
 
 
 # A data file's bytes per write call on a filesystem or through fsspec, and per pass of the
@@ -238,6 +240,13 @@ class Storage(ABC):
         :meth:`put_atomic` (an object store's PUT is durable anyway)."""
         self.put_atomic(path, data)
 
+    def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
+        """For a waiter that asks again and again whether ``paths`` exist (the commit
+        protocol's polls): a :data:`Probe` that answers cheaply — on a filesystem each
+        directory is opened once, then one ``stat`` a path — or None where asking is no cheaper
+        than reading (an object store's request). By default None."""
+        return contextlib.nullcontext(None)
+
     def open_read(self, paths: Sequence[str]) -> ReadSession:
         """The data files of one load; by default, sizes and ranged reads."""
         return _RangeSession(self, paths)
@@ -292,6 +301,9 @@ class Delegating(Storage):
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self.inner.put_atomic(path, data)
+
+    def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
+        return self.inner.probe(paths) if self._native else contextlib.nullcontext(None)
 
     def put_visible(self, path: str, data: bytes) -> None:
         if self._native:

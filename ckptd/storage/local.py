@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.storage.base import Gate, Storage, blocks
+from ckptd.storage.base import Gate, Probe, Storage, blocks
 from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")
@@ -264,6 +264,43 @@ class LocalStorage(Storage):
             self.put_atomic(path, data)
         finally:
             self._unsynced.on = False
+
+    @contextlib.contextmanager
+    def probe(self, paths: Sequence[str]) -> Iterator[Probe]:
+        """Each path's directory opened once (without following links), then one ``stat`` of
+        its name a call: a waiter's poll makes no walk. A directory missing at the start is
+        asked about by path each time (it may appear)."""
+        where: list[tuple[int | None, str, str]] = []
+        opened: dict[tuple[str, ...], int | None] = {}
+        try:
+            for path in paths:
+                parts = self._parts(path)
+                key = tuple(parts[:-1])
+                if key not in opened:
+                    try:
+                        opened[key] = self._walk(parts[:-1], False)
+                    except (FileNotFoundError, NotADirectoryError):
+                        opened[key] = None
+                where.append((opened[key], parts[-1], path))
+
+            def seen() -> list[bool]:
+                out = []
+                for dfd, name, path in where:
+                    if dfd is None:
+                        out.append(self.exists(path))
+                        continue
+                    try:
+                        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        out.append(True)
+                    except FileNotFoundError:
+                        out.append(False)
+                return out
+
+            yield seen
+        finally:
+            for fd in opened.values():
+                if fd is not None:
+                    os.close(fd)
 
     def append_text(self, path: str, text: str) -> None:
         """Append to a log-like file (metrics); not part of the storage contract."""
