@@ -1,14 +1,24 @@
 """The fixed cost of a save: a tiny state on W gloo ranks (local disk), from the call to every
 rank's ``result()``; that is the commit protocol plus a few small files, nothing else.
 
-    python benchmarks/commit.py [--world 8] [--saves 30] [--dir DIR]
+    python benchmarks/commit.py [--world 8] [--saves 30] [--runs 3] [--dir DIR]
 
 Each save: all ranks pass a barrier, call ``save_async`` on 4 small tensors (16 KiB a rank) and
-wait for ``result()``; the figure is the slowest rank's time (an all-reduce MAX after the save).
-Prints the median and the 90th percentile over ``--saves`` saves (the first two are warm-up and
-dropped), next to the floor: the same number of fsync'd file writes (data, frame table, partial
-on every rank; manifest and ``latest`` on rank 0) done by the ranks directly, measured in the
-same run.
+wait for ``result()`` (``keep_last=2``: retention runs after every commit); the figure is the
+slowest rank's time (an all-reduce MAX after the save). Prints the median and the 90th
+percentile over ``--saves`` saves (the first two are warm-up and dropped), next to the floor:
+the fsyncs durability needs (docs/format.md, *Fsyncs*) done by the ranks directly — a data
+file and a frame table fsync'd on every rank, a partial written and renamed; after a barrier
+standing for the protocol's wait, rank 0's manifest fsync'd, renamed, its directory fsync'd,
+and ``latest`` renamed — and the fsyncs each rank's save made (counted by a storage subclass).
+``--runs`` alternates floor and saves that many times; the last table gives the medians of the
+runs' medians.
+
+The cost of waiting (``--wait-s``, 10 s; 0 skips it): in one process, rank 1 of a 2-rank job
+saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds later (the main
+thread sleeping meanwhile); the process's CPU time (``time.process_time``) over that window,
+per second of waiting, is what a rank's wait costs (no c10d store: storage only), against a
+floor of 0. Median of ``--runs``.
 """
 
 from __future__ import annotations
@@ -36,24 +46,45 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def _save_rank(rank: int, world: int, root: str, saves: int) -> list[float]:
+def _save_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[float], float]:
     import ckptd
+    from ckptd.storage.local import LocalStorage
+
+    class Counted(LocalStorage):
+        syncs = 0
+
+        def _sync(self, fd: int) -> None:
+            Counted.syncs += 1
+            super()._sync(fd)
 
     state = {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
                                   (16 * rank, 0)) for i in range(4)}
     out = []
-    with ckptd.Checkpointer(root, keep_last=2) as ckpt:
+    with ckptd.Checkpointer(root, keep_last=2, storage=Counted(root)) as ckpt:
         for step in range(saves + WARMUP):
+            if step == WARMUP:
+                Counted.syncs = 0
             dist.barrier()
             t0 = time.perf_counter()
             ckpt.save_async(state, step=step).result()
             out.append(_slowest(time.perf_counter() - t0))
-    return out[WARMUP:]
+    return out[WARMUP:], Counted.syncs / saves
 
 
-def _floor_rank(rank: int, world: int, root: str, saves: int) -> list[float]:
-    """Three fsync'd small files a rank, then two on rank 0 after everyone's: the writes a
-    commit cannot avoid, with a barrier standing for the protocol's wait."""
+def _write(d: str, name: str, data: bytes, *, sync: bool) -> None:
+    """``name`` in ``d`` by temp file + rename, its bytes fsync'd with ``sync``."""
+    tmp = os.path.join(d, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(d, name))
+
+
+def _floor_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[float], float]:
+    """The fsyncs a save needs (docs/format.md, *Fsyncs*), done directly, with a barrier
+    standing for the protocol's wait."""
     payload = os.urandom(16 << 10)
     out = []
     for step in range(saves + WARMUP):
@@ -61,44 +92,100 @@ def _floor_rank(rank: int, world: int, root: str, saves: int) -> list[float]:
         os.makedirs(d, exist_ok=True)
         dist.barrier()
         t0 = time.perf_counter()
-        for name in (f"{rank}.bin", f"{rank}.frames", f"{rank}.json"):
+        for name in (f"{rank}.bin", f"{rank}.frames"):
             with open(os.path.join(d, name), "wb") as f:
                 f.write(payload if name.endswith(".bin") else payload[:256])
                 f.flush()
                 os.fsync(f.fileno())
+        _write(d, f"{rank}.json", payload[:2048], sync=False)  # the partial
         dist.barrier()
         if rank == 0:
-            for name in ("manifest.json", "latest"):
-                with open(os.path.join(d, name), "wb") as f:
-                    f.write(payload[:512])
-                    f.flush()
-                    os.fsync(f.fileno())
+            _write(d, "manifest.json", payload[:4096], sync=True)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _write(d, "latest", payload[:16], sync=False)
         dist.barrier()
         out.append(_slowest(time.perf_counter() - t0))
-    return out[WARMUP:]
+    return out[WARMUP:], (4.0 if rank == 0 else 2.0)
+
+
+def _wait_cpu(root: str, wait_s: float) -> tuple[float, int]:
+    """CPU seconds per second of waiting for a commit, and the polls counted."""
+    import ckptd
+    from ckptd.storage.local import LocalStorage
+
+    class Counted(LocalStorage):
+        reads = 0
+
+        def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+            Counted.reads += path.endswith("manifest.json")
+            return super().read_ranges(path, ranges)
+
+        def exists(self, path: str) -> bool:
+            Counted.reads += path.endswith("manifest.json")
+            return super().exists(path)
+
+    state = {"w": torch.ones(16)}
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="wait", keep_last=0) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="wait", keep_last=0,
+                               storage=Counted(root)) as c1:
+        h1 = c1.save_async(state, step=1)
+        t0 = time.process_time()
+        time.sleep(wait_s)
+        cpu = time.process_time() - t0
+        c0.save_async(state, step=1).result()
+        h1.result()
+    return cpu / wait_s, Counted.reads
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--saves", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--wait-s", type=float, default=10.0)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:
-        floor = multirank.run(_floor_rank, args.world, root, args.saves, timeout=600)[0]
-        saves = multirank.run(_save_rank, args.world, os.path.join(root, "ckpt"), args.saves,
-                              timeout=600)[0]
 
-    def row(name: str, xs: list[float]) -> str:
+    def row(name: str, xs: list[float], syncs: list[float]) -> str:
         xs = sorted(xs)
         return (f"| {name} | {statistics.median(xs) * 1e3:.1f} ms | "
-                f"{xs[int(0.9 * (len(xs) - 1))] * 1e3:.1f} ms |")
+                f"{xs[int(0.9 * (len(xs) - 1))] * 1e3:.1f} ms | {syncs[0]:g} / "
+                f"{max(syncs[1:], default=0):g} |")
 
-    print(f"tiny save, W = {args.world} gloo ranks, {args.saves} saves\n")
-    print("| | median | p90 |\n|---|---:|---:|")
-    print(row("ckptd: save_async → every rank's result()", saves))
-    print(row("floor: the same fsync'd writes, barriers for the protocol", floor))
-    print(f"\nratio (median): {statistics.median(saves) / statistics.median(floor):.2f}× floor")
+    if args.wait_s > 0:
+        waits = []
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="ckptd-wait-", dir=args.dir) as root:
+                waits.append(_wait_cpu(root, args.wait_s))
+        print(f"waiting for a commit ({args.wait_s:g} s, storage only): CPU per second of "
+              f"waiting, median of {len(waits)}: "
+              f"{statistics.median(w for w, _ in waits) * 1e3:.2f} ms/s (floor 0; runs: "
+              + ", ".join(f"{w * 1e3:.2f} ms/s, {n} manifest probes" for w, n in waits)
+              + ")\n")
+    medians: dict[str, list[float]] = {"save": [], "floor": []}
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:
+            floor = multirank.run(_floor_rank, args.world, root, args.saves, timeout=600)
+            saves = multirank.run(_save_rank, args.world, os.path.join(root, "ckpt"),
+                                  args.saves, timeout=600)
+        print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves\n")
+        print("| | median | p90 | fsyncs per save, rank 0 / others |\n|---|---:|---:|---:|")
+        print(row("ckptd: save_async → every rank's result()", saves[0][0],
+                  [s for _, s in saves]))
+        print(row("floor: the fsyncs it needs, barriers for the protocol", floor[0][0],
+                  [s for _, s in floor]))
+        medians["save"].append(statistics.median(saves[0][0]))
+        medians["floor"].append(statistics.median(floor[0][0]))
+        print(f"\nratio (median): {medians['save'][-1] / medians['floor'][-1]:.2f}× floor\n")
+    save, floor_ = (statistics.median(medians[k]) for k in ("save", "floor"))
+    print(f"medians of {args.runs} runs: save {save * 1e3:.1f} ms, floor {floor_ * 1e3:.1f} ms, "
+          f"ratio {save / floor_:.2f}× (per run: "
+          + ", ".join(f"{s / f:.2f}" for s, f in zip(medians['save'], medians['floor'],
+                                                    strict=True)) + ")")
 
 
 if __name__ == "__main__":

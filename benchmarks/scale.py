@@ -8,23 +8,33 @@ Every rank of a W-rank job saves through the public API, one after another in th
 last), with tiny tensors but the real counts of a Llama-shaped model with Adam state: every
 dimension is divided by ``--shrink`` (64: a 2-d tensor has 4096 × fewer elements) and the frame
 size by the same element factor, so the numbers of logical tensors, chunks and frames are those of
-the real job. Then one rank's share is loaded at W/2 and 3W/4 ranks (same layout family).
+the real job. Every rank also saves what every real job has per rank: its RNG state (a tensor,
+``ckptd.Local``) and its data position (a value). Then one rank's share is loaded at W/2 and
+3W/4 ranks (same layout family).
 
 Figures are CPU seconds of this process (``time.process_time``), not wall:
 - manifest: bytes of ``manifest.json`` (and of the frame tables beside the data); partial bytes
-  are the largest rank's partial;
+  are the largest rank's partial; coordinator input: the bytes of every rank's partial (what
+  the coordinator reads and parses);
 - coordinator: rank 0's ``save_async(...).result()`` (its own small share, reading every partial,
   the merge and coverage check, the commit) while ranks 1 … W-1 wait. Their waiting threads live
   in this process and poll meanwhile; their CPU (read per thread from its clock) is subtracted
-  and shown in parentheses: in a job they are other processes;
-- learn committed: one non-coordinator's check that its attempt committed, on storage (with a
-  process group the coordinator's c10d store answers first: a key lookup);
+  and shown in parentheses: in a job they are other processes. Its RSS: the peak resident set
+  during it (``VmHWM``, reset before) above the resident set before it, which the ranks saved
+  before it also use — an upper bound of what a coordinator process adds;
+- learn committed: rank 1's save thread, from the commit to its handle's ``result()``: it is
+  held in its wait's poll until the commit is written, then polls once, reads the manifest's
+  lead, completes the handle and writes its metrics line (its thread's CPU clock);
 - load: one rank's ``load`` at W/2 and at 3W/4, median of three: the CPU of the whole load
   (every thread: the tiny data's reads and copies too, with the real frame counts) and, in
   parentheses, of its metadata (``LoadStats.metadata_cpu_s``: reading and decoding the manifest,
-  the check, the plan); peak Python-heap bytes (tracemalloc, in a further identical load),
-  manifest entries decoded, frames read;
+  the check, the plan); peak Python-heap bytes (tracemalloc, in a further identical load) and
+  peak RSS above the RSS before it (``VmHWM``, reset before; in the first load), manifest
+  entries decoded, frames read;
 - full decode: what every rank paid before format 3 — every tensor's chunks and frames.
+
+Growth exponents are least-squares fits of log(cost) over log(W) over every world size >= 64
+(three at least, else none is printed).
 
 Non-coordinator ranks wait for the commit in their save threads; while this process saves the
 other ranks their polls are slowed (``poll_min_s`` 10 s) so a thousand waiting threads do not
@@ -49,6 +59,7 @@ import tracemalloc
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("CKPTD_AGENT", "0")  # every simulated rank saves in this process
 
 import torch  # noqa: E402
 
@@ -57,7 +68,6 @@ from ckptd import catalog, config  # noqa: E402
 from ckptd.loader.load import last_stats  # noqa: E402
 from ckptd.manifest import layout as L  # noqa: E402
 from ckptd.storage.local import LocalStorage  # noqa: E402
-from ckptd.writer import commit  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,16 @@ OPTIM = ("master", "exp_avg", "exp_avg_sq")  # fp32, beside the bf16 model
 
 def state_for(ps: list[tuple[str, tuple[int, ...], int]], layout: str, world: int, rank: int,
               ) -> dict[str, object]:
+    out = _model_state(ps, layout, world, rank)
+    # what every job saves per rank: its RNG state (a tensor) and its data position
+    gen = torch.Generator().manual_seed(rank)
+    out["rng"] = ckptd.Local(gen.get_state())
+    out["data"] = ckptd.Local({"epoch": 0, "position": 1000 * rank})
+    return out
+
+
+def _model_state(ps: list[tuple[str, tuple[int, ...], int]], layout: str, world: int, rank: int,
+                 ) -> dict[str, object]:
     if layout == "zero3":
         return _flat_state([(n, s) for n, s, _ in ps], world, rank)
     tp = math.gcd(TP, world)
@@ -139,6 +159,25 @@ def cpu(fn, *args, **kw):  # type: ignore[no-untyped-def]
     return out, time.process_time() - t0
 
 
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss(fn, *args, **kw):  # type: ignore[no-untyped-def]
+    """``fn``'s result and the peak resident set during it above the one before it (the peak
+    reset first through ``/proc/self/clear_refs``)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss("VmRSS")
+    out = fn(*args, **kw)
+    return out, max(0, _rss("VmHWM") - before)
+
+
 def peak_heap(fn, *args, **kw) -> int:  # type: ignore[no-untyped-def]
     gc.collect()
     tracemalloc.start()
@@ -178,12 +217,39 @@ class Row:
     manifest_bytes: int
     tables_bytes: int
     partial_max_bytes: int
+    coordinator_input_bytes: int  # every partial
     save_all_s: float
     coordinator_s: float
+    coordinator_rss: int
     waiters_s: float  # the other ranks' save threads polling meanwhile (excluded from the above)
     learn_committed_s: float
     full_decode_s: float
     loads: list[dict[str, float]]
+
+
+class Held(LocalStorage):
+    """Rank 1's storage: its wait for the commit is held in its first poll until
+    :attr:`go` is set (after the commit), and says which thread polls."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.go, self.polling = threading.Event(), threading.Event()
+        self.thread = 0
+
+    def probe(self, paths):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():  # type: ignore[no-untyped-def]
+            with LocalStorage.probe(self, paths) as ask:
+                def poll() -> list[bool]:
+                    if not self.go.is_set():
+                        self.thread = threading.get_ident()
+                        self.polling.set()
+                        self.go.wait()
+                    return ask()
+                yield poll
+        return held()
 
 
 def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row:
@@ -195,9 +261,10 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
                          poll_min_s=10.0, poll_max_s=20.0, commit_timeout_s=3600.0):
         others, handles = [], []
         t0 = time.process_time()
+        held = Held(root)
         for r in range(world - 1, 0, -1):
             c = ckptd.Checkpointer(root, rank=r, world_size=world, run_id=run_id, threads=1,
-                                   keep_last=0)
+                                   keep_last=0, storage=held if r == 1 else None)
             handles.append(c.save_async(state_for(ps, layout_name, world, r), step=step))
             others.append(c)
         storage = LocalStorage(root)
@@ -214,21 +281,27 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
         state0 = state_for(ps, layout_name, world, 0)
         gc.collect()
         t0, w0 = time.process_time(), waiters.cpu()
-        first.save_async(state0, step=step).result()
+        _, coordinator_rss = peak_rss(lambda: first.save_async(state0, step=step).result())
         waited = waiters.cpu() - w0
         coordinator = time.process_time() - t0 - waited
+        # rank 1 learns the commit through its handle: its save thread's CPU from here
+        assert held.polling.wait(600)
+        clock = time.pthread_getcpuclockid(held.thread)
+        l0 = time.clock_gettime(clock)
+        held.go.set()
+        handles[-1].result()
+        learn = time.clock_gettime(clock) - l0
         for h in handles:
             h.result()
         for c in [first, *others]:
             c.close()
     del others, handles
-    _, learn = cpu(commit.wait_committed, storage, step, attempt)
     sd = L.step_dir(step)
     manifest_bytes = storage.size(L.manifest_path(step))
     files = storage.list_dir(f"{sd}/data/{attempt}")
     tables = sum(storage.size(f"{sd}/data/{attempt}/{f}") for f in files if f.endswith(".frames"))
-    partial_max = max(storage.size(f"{partials}/{n}") for n in storage.list_dir(partials)
-                      if L.is_partial(n))
+    partial_sizes = [storage.size(f"{partials}/{n}") for n in storage.list_dir(partials)
+                     if L.is_partial(n)]
 
     def full_decode() -> tuple[int, int]:
         m = catalog.read_manifest(storage, step)
@@ -243,6 +316,7 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
                                     run_id=run_id, threads=1)
         dest = state_for(ps, layout_name, target, rank)
         runs, meta = [], []
+        _, load_rss = peak_rss(reader.load, dest, step=step)
         for _ in range(3):  # a noisy host: the median of three
             result, load_s = cpu(reader.load, dest, step=step)
             stats = last_stats()
@@ -253,19 +327,24 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
         reader.close()
         loads.append({"world": target, "cpu_s": statistics.median(runs),
                       "metadata_cpu_s": statistics.median(meta), "peak_bytes": peak,
+                      "peak_rss": load_rss,
                       "tensors_decoded": result.tensors_decoded,
                       "frames_read": result.frames_read, "bytes_read": result.nbytes_read})
     return Row(model, layout_name, world, len(ps) * 4, n_chunks, n_frames, manifest_bytes, tables,
-               partial_max, save_all, coordinator, waited, learn, decode, loads)
+               max(partial_sizes), sum(partial_sizes), save_all, coordinator, coordinator_rss,
+               waited, learn, decode, loads)
 
 
 def exponent(rows: list[Row], key) -> float | None:  # type: ignore[no-untyped-def]
-    """The slope of log(cost) over log(W) between the smallest W >= 128 and the largest."""
-    pts = sorted((r.world, key(r)) for r in rows if r.world >= 128)
-    if len(pts) < 2 or pts[0][1] <= 0 or pts[-1][1] <= 0:
+    """The least-squares slope of log(cost) over log(W) over every W >= 64 (None with fewer
+    than three such world sizes, or a cost that is not positive)."""
+    pts = sorted((r.world, key(r)) for r in rows if r.world >= 64)
+    if len({w for w, _ in pts}) < 3 or any(c <= 0 for _, c in pts):
         return None
-    (w0, c0), (w1, c1) = pts[0], pts[-1]
-    return math.log(c1 / c0) / math.log(w1 / w0)
+    xs, ys = [math.log(w) for w, _ in pts], [math.log(c) for _, c in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+            / sum((x - mx) ** 2 for x in xs))
 
 
 def mb(n: float) -> str:
@@ -274,25 +353,31 @@ def mb(n: float) -> str:
 
 def render(rows: list[Row]) -> str:
     out = ["| model, layout | W | tensors / chunks / frames | manifest (+ frame tables) | "
-           "largest partial | coordinator CPU (others' polls) | learn committed | full decode | "
-           "load at W/2, 3W/4: CPU (of it metadata), peak heap, entries decoded |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "largest partial | coordinator input (every partial) | coordinator CPU (others' "
+           "polls), RSS | learn committed (handle) | full decode | "
+           "load at W/2, 3W/4: CPU (of it metadata), peak heap, peak RSS, entries decoded |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         loads = "; ".join(
             f"W={d['world']}: {d['cpu_s'] * 1e3:.0f} ms ({d['metadata_cpu_s'] * 1e3:.0f} ms), "
-            f"{d['peak_bytes'] / 2**20:.1f} MiB, "
+            f"{d['peak_bytes'] / 2**20:.1f} MiB, {d['peak_rss'] / 2**20:.1f} MiB, "
             f"{d['tensors_decoded']}" for d in r.loads)
         out.append(
             f"| {r.model}, {r.layout} | {r.world} | {r.tensors} / {r.chunks} / {r.frames} | "
             f"{mb(r.manifest_bytes)} (+{mb(r.tables_bytes)}) | {mb(r.partial_max_bytes)} | "
-            f"{r.coordinator_s:.2f} s ({r.waiters_s:.2f} s) | {r.learn_committed_s * 1e3:.1f} ms | "
-            f"{r.full_decode_s:.2f} s | {loads} |")
-    for name, key in (("coordinator", lambda r: r.coordinator_s),
-                      ("load (3W/4)", lambda r: r.loads[-1]["cpu_s"]),
-                      ("load metadata (3W/4)", lambda r: r.loads[-1]["metadata_cpu_s"])):
+            f"{mb(r.coordinator_input_bytes)} | "
+            f"{r.coordinator_s:.2f} s ({r.waiters_s:.2f} s), {r.coordinator_rss / 2**20:.0f} MiB | "
+            f"{r.learn_committed_s * 1e3:.1f} ms | {r.full_decode_s:.2f} s | {loads} |")
+    worlds = [r.world for r in rows if r.world >= 64]
+    for name, key in (("coordinator input bytes", lambda r: r.coordinator_input_bytes),
+                      ("coordinator CPU", lambda r: r.coordinator_s),
+                      ("coordinator RSS", lambda r: r.coordinator_rss),
+                      ("load CPU (3W/4)", lambda r: r.loads[-1]["cpu_s"]),
+                      ("load metadata CPU (3W/4)", lambda r: r.loads[-1]["metadata_cpu_s"])):
         e = exponent(rows, key)
         if e is not None:
-            out.append(f"\ngrowth of {name} CPU over W = 128 … {rows[-1].world}: W^{e:.2f}")
+            out.append(f"\ngrowth of {name} over W = {', '.join(map(str, worlds))} "
+                       f"(least squares): W^{e:.2f}")
     return "\n".join(out)
 
 

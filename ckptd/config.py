@@ -76,6 +76,12 @@ class Tunables:
     # are for filesystems and memory://, where a poll is a cheap metadata call.
     poll_min_s: float = 0.001
     poll_max_s: float = 0.05
+    # A wait that goes on polls less often: the longest pause grows to 1/8 of the time waited
+    # so far, up to this (when it is above the storage's own longest). Each poll wakes a
+    # thread, which costs ~0.1 ms of CPU on a loaded host (with its probe and store check): at
+    # 50 ms that is ~5 ms of CPU per second of waiting on every rank, at 250 ms ~1 ms; the
+    # commit of a save that took T seconds is learnt at most ~T/8 (and 0.25 s) late.
+    poll_idle_max_s: float = 0.25
     # The same for object stores (S3 and other remote fsspec URLs; the storage reports its own
     # bounds through `poll_interval_s`, see ckptd/storage/base.py). A request there takes
     # 10-30 ms, so polling faster than every 50 ms only queues requests; and a waiting rank

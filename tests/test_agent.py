@@ -1097,17 +1097,20 @@ def test_a_stopping_agent_with_no_peer_to_take_it_writes_the_save_itself(tmp_pat
 
 
 def test_a_stopping_agent_removes_no_old_step(tmp_path, agents):
-    """Its grace window is for saves: the retention its commits owe is left to the next run."""
+    """Its grace window is for saves: the retention its commits owe is left to the next run.
+    (Step 2's commit, before the SIGTERM, starts the removal of step 1 at once; step 3's, by
+    the stopping agent, removes nothing.)"""
     root = tmp_path / "root"
     with ckptd.Checkpointer(str(root), rank=0, world_size=1, agent=True, keep_last=1) as c:
         c.save(_big(1))
-        c.save(_big(2))  # owes the removal of step 1
+        c.save(_big(2))  # starts the removal of step 1
+        wait_until(lambda: not (root / "step-000000001").exists(), 60, "step 1's removal")
         os.kill(agents.pid(), signal.SIGTERM)
         wait_until(lambda: "stopping;" in agents.log(), 30, "the agent to see the SIGTERM")
         assert c.save(_big(3)).step == 3  # the preemption save, written by the stopping agent
     pid = agents.pid()
     wait_until(lambda: not alive(pid), 60, "the agent to exit")
-    assert sorted(int(p.name[5:]) for p in root.glob("step-*")) == [1, 2, 3]
+    assert sorted(int(p.name[5:]) for p in root.glob("step-*")) == [2, 3]
     _check(str(root), 3)
 
 

@@ -108,29 +108,68 @@ def test_replicated_pieces_are_written_once_spread_across_replicas(tmp_path):
         c.close()
 
 
-def test_a_partial_lists_what_its_rank_wrote_and_names_only_what_a_replica_wrote(tmp_path):
-    """Partials grow with a rank's writes, not with the state: the coordinator's merge then
-    costs chunks, not ranks x tensors. Every tensor held is still checked to be written."""
+def test_a_partial_names_only_what_its_rank_wrote_not_what_a_replica_wrote(tmp_path):
+    """Partials grow with a rank's writes, not with the state: the tensors a rank holds but a
+    replica wrote appear in its partial as one replica set (a count and a digest), never by
+    name, so the coordinator's input is O(chunks + ranks), not ranks x tensors. Every tensor
+    held is still checked to be written (the step commits)."""
     from ckptd.manifest.parse import decode
 
     cs = _sim(str(tmp_path), 4)
-    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(16)}
+    state = {f"layers/{i:04d}/a_long_parameter_name/weight": torch.full((10,), float(i))
+             for i in range(64)}
     for h in [c.save_async(state, step=1) for c in cs]:
         h.result()
     m = cs[0].read_manifest(1)
     wrote = {r: {n for n, e in m.tensors.items() if e.chunks[0].rank == r} for r in range(4)}
     d = tmp_path / L.partials_dir(1, m.attempt)
     for r in range(4):
-        partial = decode((d / f"{r:05d}.json").read_bytes(), "partial")
+        raw = (d / f"{r:05d}.json").read_bytes()
+        partial = decode(raw, "partial")
         assert set(partial.tensors) == wrote[r]
-        assert set(partial.holds) == set(state) - wrote[r]
+        assert partial.holds == ()
+        [replica_set] = partial.replicated
+        assert (replica_set.replicas, replica_set.count) == (4, 64)
+        assert set(replica_set.wrote) == wrote[r]
+        held = set(state) - wrote[r]
+        assert len(held) > 0
+        assert [n for n in held if n.encode() in raw] == []
+    for c in cs:
+        c.close()
+
+
+def test_a_partial_of_version_1_naming_what_its_rank_holds_still_commits(tmp_path):
+    """A root written mid-upgrade: rank 1's partial is in the previous form (its held tensors
+    by name in "holds", no replica sets); ckptd finalize still merges and commits it."""
+    from ckptd.manifest.parse import decode, whole_doc
+    from ckptd.manifest.schema import encode_doc
+    from ckptd.writer import commit
+
+    cs = _sim(str(tmp_path), 2)
+    state = {f"t{i}": torch.full((10,), float(i)) for i in range(8)}
+    for h in [c.save_async(state, step=1) for c in cs]:
+        h.result()
+    storage = cs[0].storage
+    attempt = cs[0].read_manifest(1).attempt
+    storage.remove(L.manifest_path(1))
+    path = L.partial_path(1, attempt, 1)
+    doc = whole_doc(storage.read_bytes(path), path)
+    [(_, count, _, wrote)] = doc.pop("replicated")
+    del doc["partial"]
+    doc["holds"] = sorted(set(state) - set(wrote))
+    assert len(doc["holds"]) == count - len(wrote) > 0
+    storage.put_atomic(path, encode_doc(doc))
+    assert decode(storage.read_bytes(path), path).holds == tuple(doc["holds"])
+    m = commit.finalize(storage, 1)
+    assert m is not None and set(m.tensors) == set(state)
     for c in cs:
         c.close()
 
 
 def test_a_tensor_held_by_a_rank_but_written_by_none_is_not_committed(tmp_path):
-    """Rank 1's partial is rewritten to hold a tensor that no partial wrote: the commit that
-    ckptd finalize attempts from those partials refuses it, naming tensor and rank."""
+    """Rank 1's partial is rewritten to hold a tensor that no partial wrote (by name, as a
+    partial of version 1 says it): the commit that ckptd finalize attempts from those partials
+    refuses it, naming tensor and rank."""
     from ckptd.manifest.parse import decode
     from ckptd.writer import commit
 
@@ -146,6 +185,23 @@ def test_a_tensor_held_by_a_rank_but_written_by_none_is_not_committed(tmp_path):
     storage.put_atomic(path, type(p)(**{**p.__dict__, "holds": ("ghost",)}).encode())
     with pytest.raises(ckptd.StateMismatch, match=r"ghost: held by rank 1 but saved by no rank"):
         commit.finalize(storage, 1)
+    for c in cs:
+        c.close()
+
+
+def test_replicas_that_all_leave_a_tensor_to_another_copy_are_not_committed(tmp_path):
+    """Both ranks say they hold copy 1 of 2 of every tensor: the tensors whose writer is copy
+    0 are written by no rank, and the save fails on every rank naming the replica set."""
+    cs = _sim(str(tmp_path), 2)
+    state = {f"t{i}": ckptd.Shard(torch.ones(4), (4,), (0,), replica=1, replicas=2)
+             for i in range(16)}
+    hs = [c.save_async(state, step=1) for c in cs]
+    for h in hs:
+        with pytest.raises(ckptd.StateMismatch,
+                           match=r"of the 16 tensors that ranks 0, 1 hold with replicas=2 were "
+                                 r"saved by no rank"):
+            h.result()
+    assert not os.path.exists(tmp_path / L.manifest_path(1))
     for c in cs:
         c.close()
 
@@ -267,3 +323,78 @@ def test_a_waiting_rank_learns_the_commit_from_the_manifests_first_bytes(tmp_pat
     raw = open(os.path.join(old, L.manifest_path(7)), "rb").read()
     commit.wait_committed(st, 7, open_doc(raw, "m")["attempt"])
     assert st.whole == [L.manifest_path(7)]
+
+
+def test_a_partial_of_a_newer_version_is_refused_naming_the_file(tmp_path):
+    from ckptd.manifest.parse import decode, whole_doc
+    from ckptd.manifest.schema import encode_doc
+    from ckptd.writer import commit
+
+    cs = _sim(str(tmp_path), 2)
+    for h in [c.save_async({"w": torch.ones(4)}, step=1) for c in cs]:
+        h.result()
+    storage = cs[0].storage
+    attempt = cs[0].read_manifest(1).attempt
+    storage.remove(L.manifest_path(1))
+    path = L.partial_path(1, attempt, 1)
+    doc = whole_doc(storage.read_bytes(path), path)
+    doc["partial"] = 3
+    storage.put_atomic(path, encode_doc(doc))
+    with pytest.raises(ckptd.CorruptCheckpoint,
+                       match=r"00001.json: malformed manifest .*partial version 3: this reader "
+                             r"knows 1 to 2"):
+        decode(storage.read_bytes(path), path)
+    with pytest.raises(ckptd.CorruptCheckpoint, match=r"partial version 3"):
+        commit.finalize(storage, 1)
+    for c in cs:
+        c.close()
+
+
+def test_a_rank_waiting_for_the_commit_polls_without_walking_paths(tmp_path):
+    """Rank 1 waits for rank 0's commit: each poll asks the storage's probe (one stat of the
+    manifest and of the FAILED marker in directories opened once), walks no path and reads
+    nothing until the manifest appears."""
+    import threading
+
+    from ckptd.storage.local import LocalStorage
+
+    polled = threading.Event()
+    seen = {"polls": 0, "walks_while_polling": 0, "manifest_reads": 0}
+
+    class Watched(LocalStorage):
+        def _walk(self, parts, create):  # type: ignore[no-untyped-def]
+            if 2 <= seen["polls"] < 6:
+                seen["walks_while_polling"] += 1
+            return super()._walk(parts, create)
+
+        def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+            seen["manifest_reads"] += path.endswith("manifest.json")
+            return super().read_ranges(path, ranges)
+
+        def probe(self, paths):  # type: ignore[no-untyped-def]
+            import contextlib
+
+            @contextlib.contextmanager
+            def counted():  # type: ignore[no-untyped-def]
+                with super(Watched, self).probe(paths) as ask:
+                    def poll() -> list[bool]:
+                        seen["polls"] += 1
+                        if seen["polls"] >= 6:
+                            polled.set()
+                        return ask()
+                    yield poll
+            return counted()
+
+    root = str(tmp_path)
+    c0 = ckptd.Checkpointer(root, rank=0, world_size=2, run_id="job")
+    c1 = ckptd.Checkpointer(root, rank=1, world_size=2, run_id="job", storage=Watched(root))
+    state = {"w": torch.ones(4)}
+    h1 = c1.save_async(state, step=1)
+    assert polled.wait(60)
+    assert seen["walks_while_polling"] == 0
+    assert seen["manifest_reads"] == 0
+    c0.save_async(state, step=1).result()
+    assert h1.result().step == 1
+    assert seen["manifest_reads"] >= 1
+    for c in (c0, c1):
+        c.close()

@@ -130,6 +130,14 @@ class TestEveryBackend:
         assert backend.read_bytes("000001/manifest.json") == b'{"v": 2, "longer": true}'
         assert backend.list_dir("000001") == ["manifest.json"]
 
+    def test_put_visible_overwrites_atomically_and_leaves_nothing_else(
+        self, backend: Storage
+    ) -> None:
+        backend.put_visible("ranks/a/00001.json", b'{"v": 1}')
+        backend.put_visible("ranks/a/00001.json", b'{"v": 2, "longer": true}')
+        assert backend.read_bytes("ranks/a/00001.json") == b'{"v": 2, "longer": true}'
+        assert backend.list_dir("ranks/a") == ["00001.json"]
+
     def test_list_dir_names_direct_children_only(self, backend: Storage) -> None:
         for path in ["a/b/c.bin", "a/d.json", "a/e/f/g.bin", "ab/x", "top.json"]:
             backend.put_atomic(path, path.encode())

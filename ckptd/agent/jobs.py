@@ -46,6 +46,7 @@ def encode(job: SaveJob) -> dict[str, Any]:
             "declared": {n: [dtype_name(e.dtype), list(e.shape)]
                          for n, e in share.declared.items()},
             "values": values, "locals": locals_, "types": types, "training": share.training,
+            "replicas": share.replicas,
         },
         "nbytes": rnd.nbytes,
         "files": [{"index": p.index, "start": p.start, "end": p.end,
@@ -58,6 +59,15 @@ def encode(job: SaveJob) -> dict[str, Any]:
                    "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
                    "incarnation": commit_.incarnation, "timeout_s": commit_.timeout_s},
     }
+
+
+def _replicas(doc: Any) -> dict[str, int]:
+    """A share's copies per tensor (a trainer that sends none: its partial names what its
+    rank holds)."""
+    if not isinstance(doc, dict) or not all(
+            isinstance(n, str) and type(r) is int and r > 1 for n, r in doc.items()):
+        raise CkptdError(f"agent job: 'replicas' is not a map of names to copies: {doc!r}")
+    return dict(doc)
 
 
 def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
@@ -88,7 +98,8 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
         s["values"], {str(s["rank"]): s["locals"]},
         typed.checked_types(s.get("types", {}), "agent job"), LOCAL_PREFIX, "agent job")
     share = Share(s["step"], s["attempt"], s["rank"], s["world_size"], declared,
-                  values, by_rank[str(s["rank"])], s["training"], tuples)
+                  values, by_rank[str(s["rank"])], s["training"], tuples,
+                  _replicas(s.get("replicas", {})))
     c, f = doc["commit"], doc.get("framing") or {}
     cfg = Framing.current()  # (a job without them: this process's)
     framing = Framing(_positive(doc.get("frame_bytes", cfg.frame_bytes), "frame_bytes"),

@@ -1,11 +1,13 @@
 """Merging the partial manifests of one save attempt into the step's manifest.
 
 Runs in the coordinator, in the background, with no collectives: the partials on storage are the
-only input. A partial lists the chunks its rank wrote and, by name only, the tensors it holds
-that a replica wrote; so merging costs what the ranks wrote, not ranks × tensors. Checks that
-the ranks that wrote a tensor agree on its dtype and global shape, that every tensor a rank
-holds was written, and that every element is covered by at least one chunk (a hole names the
-tensor and the missing box).
+only input. A partial lists the chunks its rank wrote; the tensors it holds that a replica
+wrote it sums up per replica set (how many, a digest of their names, and which of them it
+wrote: version 2) or names (version 1); so merging costs what the ranks wrote plus a few
+entries per rank, not ranks × tensors. Checks that the ranks that wrote a tensor agree on its
+dtype and global shape, that every tensor a rank holds was written (by a member of its replica
+set), and that every element is covered by at least one chunk (a hole names the tensor and the
+missing box).
 Chunks with identical boxes are kept once (the lowest rank's); partially overlapping chunks are
 all kept (``ckptd verify`` checks that the copies agree).
 """
@@ -65,6 +67,7 @@ def merge(partials: Sequence[Manifest], *, keep_copies: bool = False) -> Manifes
                 f"{unwritten[0]}: held by rank {p.rank} but saved by no rank (check the leaves' "
                 "replica/replicas)"
             )
+    _check_replica_sets(partials)
     for name, entry in tensors.items():
         hole = find_hole(Box.whole(entry.shape), [c.box for c in chunks[name]])
         if hole is not None:
@@ -88,6 +91,35 @@ def merge(partials: Sequence[Manifest], *, keep_copies: bool = False) -> Manifes
         training=next((p.training for p in partials if p.rank == 0), {}),
         tuples=next((p.tuples for p in partials if p.rank == 0), frozenset()),
     )
+
+
+def _check_replica_sets(partials: Sequence[Manifest]) -> None:
+    """Every tensor of a replica set was written by one of the set's members: the union of
+    what they wrote has as many names as the set (each wrote only names of the set). Ranks
+    whose partials are of version 1 (a root written mid-upgrade) say nothing of their sets:
+    what they wrote counts towards every set, a weaker check for that attempt alone."""
+    old: set[str] = set()
+    for p in partials:
+        if p.partial < 2:
+            old.update(p.tensors)
+    wrote: dict[tuple[int, int, str], set[str]] = {}
+    members: dict[tuple[int, int, str], list[int]] = {}
+    for p in partials:
+        for s in p.replicated:
+            wrote.setdefault(s.key, set()).update(s.wrote)
+            members.setdefault(s.key, []).append(p.rank or 0)
+    for key, names in wrote.items():
+        replicas, count, _ = key
+        if len(names) == count or (old and len(names | old) >= count):
+            continue
+        ranks = sorted(members[key])
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        if len(names) > count:  # the digest matched, the names did not: not a ckptd partial
+            raise CorruptCheckpoint(f"ranks {shown} wrote {len(names)} tensors of a replica "
+                                    f"set of {count}")
+        raise StateMismatch(
+            f"{count - len(names)} of the {count} tensors that ranks {shown} hold with "
+            f"replicas={replicas} were saved by no rank (check the leaves' replica/replicas)")
 
 
 def find_hole(whole: Box, boxes: Sequence[Box]) -> Box | None:

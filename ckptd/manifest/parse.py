@@ -32,8 +32,10 @@ from ckptd.manifest.envelope import MAX_INT, check_version, lead_digest, parse_j
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
 from ckptd.manifest.schema import (
     LOCAL_PREFIX,
+    PARTIAL_VERSION,
     Chunk,
     Manifest,
+    ReplicaSet,
     TensorEntry,
     checked_dtype_name,
 )
@@ -97,6 +99,8 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             rank=_int(doc["rank"]) if "rank" in doc else None,
             generation=_int(doc.get("generation", 0)),
             holds=tuple(_held(doc.get("holds", []))),
+            replicated=_replicated(doc, tensors) if "rank" in doc else (),
+            partial=doc.get("partial", 1) if "rank" in doc else PARTIAL_VERSION,
             frames=frames,
             decoded=decoded,
             tuples=tuples,
@@ -253,11 +257,38 @@ def _lazy_chunks(raw: bytes, start: int, length: int, name: str, shape: tuple[in
     return _chunks(name, items, Box.whole(shape), itemsize, where, tables)
 
 
-def _held(names: Any) -> list[str]:
+def _held(names: Any, key: str = "holds") -> list[str]:
     # the checks run in C: a partial at a thousand ranks names thousands of tensors
     if not isinstance(names, list) or (names and set(map(type, names)) != {str}) or "" in names:
-        raise ValueError(f"'holds' is not a list of names: {names!r}")
+        raise ValueError(f"'{key}' is not a list of names: {names!r}")
     return names
+
+
+def _replicated(doc: dict[str, Any], tensors: dict[str, TensorEntry]) -> tuple[ReplicaSet, ...]:
+    """A partial's replica sets (version 2; a partial of version 1 has none, its "holds" say
+    the same by name). Each names only tensors of the partial, at most ``count`` of them."""
+    version = doc.get("partial", 1)
+    if type(version) is not int or not 1 <= version <= PARTIAL_VERSION:
+        raise ValueError(f"partial version {version!r}: this reader knows 1 to {PARTIAL_VERSION}"
+                         " (written by a newer ckptd?)")
+    items = doc.get("replicated", [])
+    if not isinstance(items, list):
+        raise ValueError(f"'replicated' is not a list: {items!r}")
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 4:
+            raise ValueError(f"a replica set is not [replicas, count, digest, wrote]: {item!r}")
+        replicas, count, digest, wrote = item
+        wrote = _held(wrote, "replicated")
+        if (not isinstance(digest, str) or len(digest) != 16
+                or not set(digest) <= set("0123456789abcdef")):
+            raise ValueError(f"replica set digest {digest!r}")
+        strangers = [n for n in wrote if n not in tensors]
+        if strangers:
+            raise ValueError(f"replica set names {strangers[0]!r}, which the partial did not write")
+        out.append(ReplicaSet(_int(replicas, lo=2), _int(count, lo=max(len(wrote), 1)), digest,
+                              tuple(wrote)))
+    return tuple(out)
 
 
 def _ints(v: Any) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
@@ -43,6 +45,10 @@ LOCAL_PREFIX = "__local__"  # ckptd.sharding.LOCAL_PREFIX: per-rank values' name
 TensorDoc = tuple[str, str, list[int], list[dict[str, Any]]]  # name, dtype, shape, chunks
 
 CHECKSUM = "xxh3_64"
+# A partial's own version, under the key "partial" (absent: 1). 1: the tensors a rank holds but
+# a replica wrote are named in "holds"; 2: they are summed up per replica set ("replicated",
+# :class:`ReplicaSet`), so a partial grows with what its rank wrote, not with the model.
+PARTIAL_VERSION = 2
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -149,6 +155,32 @@ class TensorEntry:
         return f"TensorEntry({self.dtype_name}, {list(self.shape)}, {chunks} chunks)"
 
 
+def names_digest(names: Sequence[str]) -> str:
+    """The digest of a sorted list of tensor names (a :class:`ReplicaSet`'s)."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(list(names), separators=(",", ":")).encode())
+
+
+@dataclass(frozen=True)
+class ReplicaSet:
+    """In a partial (version 2): the tensors a rank declared with ``replicas`` copies, summed
+    up: how many (``count``) and the digest of their sorted names (:func:`names_digest`),
+    and by name only those the rank ``wrote``. Every rank holding a copy of these tensors
+    declares the same set, so the coordinator checks that the union of what its members
+    wrote has ``count`` names — without the names of what each rank merely holds."""
+
+    replicas: int
+    count: int
+    digest: str
+    wrote: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return self.replicas, self.count, self.digest
+
+    def to_json(self) -> list[Any]:
+        return [self.replicas, self.count, self.digest, list(self.wrote)]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A committed step (``manifest.json``) or one rank's share of it (a partial)."""
@@ -163,8 +195,11 @@ class Manifest:
     training: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None  # set on partials only
     generation: int = 0  # the committing run's generation (owner.json); 0 before generations
-    # partials only: tensors the rank holds that another rank wrote (it lists what it wrote)
+    # partials only: tensors the rank holds that another rank wrote (it lists what it wrote):
+    # by name (version 1, and a writer that knows no replica counts), or per replica set
     holds: tuple[str, ...] = ()
+    replicated: tuple[ReplicaSet, ...] = ()
+    partial: int = PARTIAL_VERSION  # a partial's version (PARTIAL_VERSION), as read
     # where this manifest's frame tables are read from (set when it was read from storage)
     frames: TableSource | None = field(default=None, compare=False, repr=False)
     # names of the tensors whose chunks were decoded (format 3 decodes them on first use)
@@ -234,8 +269,11 @@ class Manifest:
         }
         if self.rank is not None:
             out["rank"] = self.rank
+            out["partial"] = PARTIAL_VERSION
             if self.holds:
                 out["holds"] = list(self.holds)
+            if self.replicated:
+                out["replicated"] = [s.to_json() for s in self.replicated]
         else:
             out["generation"] = self.generation
         return out

@@ -5,9 +5,9 @@ Paths are ``str`` relative to the backend's root, with ``/`` separators (a ``pat
 collapse the ``//`` of ``s3://``). A save calls, in this order::
 
     write_file(data/<attempt>/<file>, parts, gate)   # every data file; durable when it returns
-    put_atomic(<step>/ranks/<attempt>/<rank>.json)   # the rank's partial manifest
-    put_atomic(<step>/manifest.json)      # the commit: all-or-nothing visible
-    put_atomic(latest)                    # advisory pointer
+    put_visible(<step>/ranks/<attempt>/<rank>.json)  # the rank's partial manifest
+    put_atomic(<step>/manifest.json)      # the commit: all-or-nothing visible, durable
+    put_visible(latest)                   # advisory pointer
 
 ``write_file`` need not be atomic: data file names are unique per save attempt and nothing reads
 them before a manifest names them. ``put_atomic`` must be: a reader sees the whole object or
@@ -15,8 +15,10 @@ none (temp file + rename + directory fsync on a filesystem; a single PUT on an o
 ``write_file``'s ``gate`` (a writer's pace and stop: the node agent's) is called before each
 block the backend writes (``gate(nbytes)``); what it raises leaves the file unfinished.
 
-Eight methods are abstract; five have a default that a backend overrides where it can do
-better: ``open_read`` (a :class:`ReadSession` for one load), ``append_text``,
+Eight methods are abstract; seven have a default that a backend overrides where it can do
+better: ``put_visible`` (atomic, not yet durable), ``probe`` (a waiter's cheap question
+whether some paths exist), ``open_read`` (a :class:`ReadSession`
+for one load), ``append_text``,
 ``poll_interval_s`` (the pauses of the commit protocol's polling), ``incomplete_uploads`` and
 ``abort_incomplete_uploads`` (invisible leftovers such as S3 multipart uploads, for
 ``ckptd gc``). A user's own object with only the eight methods (``Checkpointer(storage=...)``)
@@ -37,6 +39,7 @@ from ckptd import config
 from ckptd.buffers import Buffer
 
 Gate = Callable[[int], None]  # before each block of a data file: a writer's pace and stop
+Probe = Callable[[], list[bool]]  # whether each of the probed paths exists now (Storage.probe)
 
 
 # A data file's bytes per write call on a filesystem or through fsspec, and per pass of the
@@ -230,6 +233,20 @@ class Storage(ABC):
     def remove(self, path: str) -> None:
         """Remove an object or a whole prefix/directory; absent is not an error."""
 
+    def put_visible(self, path: str, data: bytes) -> None:
+        """Like :meth:`put_atomic` — a reader sees the whole object or none — but it need not be
+        durable when it returns: for records nothing depends on after a power loss (a rank's
+        partial, read by the live coordinator; the advisory ``latest``). By default
+        :meth:`put_atomic` (an object store's PUT is durable anyway)."""
+        self.put_atomic(path, data)
+
+    def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
+        """For a waiter that asks again and again whether ``paths`` exist (the commit
+        protocol's polls): a :data:`Probe` that answers cheaply — on a filesystem each
+        directory is opened once, then one ``stat`` a path — or None where asking is no cheaper
+        than reading (an object store's request). By default None."""
+        return contextlib.nullcontext(None)
+
     def open_read(self, paths: Sequence[str]) -> ReadSession:
         """The data files of one load; by default, sizes and ranged reads."""
         return _RangeSession(self, paths)
@@ -284,6 +301,15 @@ class Delegating(Storage):
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self.inner.put_atomic(path, data)
+
+    def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
+        return self.inner.probe(paths) if self._native else contextlib.nullcontext(None)
+
+    def put_visible(self, path: str, data: bytes) -> None:
+        if self._native:
+            self.inner.put_visible(path, data)
+        else:
+            self.inner.put_atomic(path, data)
 
     def read_bytes(self, path: str) -> bytes:
         return bytes(self.inner.read_bytes(path))

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
-from ckptd.storage.base import Gate, Storage, blocks
+from ckptd.storage.base import Gate, Probe, Storage, blocks
 from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")
@@ -73,6 +73,7 @@ class LocalStorage(Storage):
         # path component, four or five per file, each a metadata operation)
         self._dirs: dict[tuple[str, ...], int] | None = None
         self._dirs_lock = threading.Lock()
+        self._unsynced = threading.local()  # inside put_visible(): put_atomic without fsyncs
 
     @contextlib.contextmanager
     def deferred_durability(self) -> Iterator[None]:
@@ -95,8 +96,12 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def _fsync(self, fd: int) -> None:
-        if not self._defer:
-            os.fsync(fd)
+        if not self._defer and not getattr(self._unsynced, "on", False):
+            self._sync(fd)
+
+    def _sync(self, fd: int) -> None:
+        """The one place a file or directory is flushed to stable storage."""
+        os.fsync(fd)
 
     # -- paths ---------------------------------------------------------------------------------
     def _abs(self, path: str) -> str:
@@ -250,6 +255,52 @@ class LocalStorage(Storage):
             raise e if isinstance(e, StorageError) else storage_error(e, full) from e
         finally:
             os.close(dfd)
+
+    def put_visible(self, path: str, data: bytes) -> None:
+        """:meth:`put_atomic` (temp file + rename: a reader sees all or nothing) without its
+        two fsyncs; through ``put_atomic``, so a subclass that changes it changes this too."""
+        self._unsynced.on = True
+        try:
+            self.put_atomic(path, data)
+        finally:
+            self._unsynced.on = False
+
+    @contextlib.contextmanager
+    def probe(self, paths: Sequence[str]) -> Iterator[Probe]:
+        """Each path's directory opened once (without following links), then one ``stat`` of
+        its name a call: a waiter's poll makes no walk. A directory missing at the start is
+        asked about by path each time (it may appear)."""
+        where: list[tuple[int | None, str, str]] = []
+        opened: dict[tuple[str, ...], int | None] = {}
+        try:
+            for path in paths:
+                parts = self._parts(path)
+                key = tuple(parts[:-1])
+                if key not in opened:
+                    try:
+                        opened[key] = self._walk(parts[:-1], False)
+                    except (FileNotFoundError, NotADirectoryError):
+                        opened[key] = None
+                where.append((opened[key], parts[-1], path))
+
+            def seen() -> list[bool]:
+                out = []
+                for dfd, name, path in where:
+                    if dfd is None:
+                        out.append(self.exists(path))
+                        continue
+                    try:
+                        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        out.append(True)
+                    except FileNotFoundError:
+                        out.append(False)
+                return out
+
+            yield seen
+        finally:
+            for fd in opened.values():
+                if fd is not None:
+                    os.close(fd)
 
     def append_text(self, path: str, text: str) -> None:
         """Append to a log-like file (metrics); not part of the storage contract."""

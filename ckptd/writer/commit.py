@@ -40,18 +40,26 @@ log = logging.getLogger("ckptd")
 _jitter = random.Random()
 
 
+# a long wait's pause grows to this fraction of the time waited so far (config.poll_idle_max_s)
+PATIENCE = 1 / 8
+
+
 class Poller:
     """Pauses between polls of ``storage`` until ``timeout_s`` has passed.
 
     The first pause is the storage's first interval (:func:`ckptd.storage.base.poll_interval`);
-    each next one doubles, up to the storage's longest. Every pause is drawn uniformly in [½, 1]
-    of the current interval, so ranks that started waiting together do not poll in lockstep, and
-    none ends past the deadline. Bounded both ways: at most ``longest`` between two polls, and
-    at most about ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
+    each next one doubles, up to the storage's longest — and, once the wait has gone on for
+    a while, up to :data:`PATIENCE` of the time waited so far, at most
+    ``config.poll_idle_max_s`` (each poll wakes a thread: CPU on every waiting rank). Every
+    pause is drawn uniformly in [½, 1] of the current interval, so ranks that started waiting
+    together do not poll in lockstep, and none ends past the deadline. Bounded both ways: at
+    most ``max(longest, poll_idle_max_s)`` between two polls, and at most about
+    ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
     """
 
     def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False) -> None:
         self.first, self.longest = poll_interval(storage)
+        self.idle_longest = max(self.longest, config.get().poll_idle_max_s)
         self.coordinating = coordinating  # which exit deadline applies (ckptd.writer.exiting)
         self.interval = self.first
         self.started = time.monotonic()
@@ -72,7 +80,8 @@ class Poller:
             self.abandoned = end != self.deadline
             return False
         exiting.pause(min(self.interval * _jitter.uniform(0.5, 1.0), end - now))
-        self.interval = min(self.interval * 2, self.longest)
+        longest = min(max(self.longest, (now - self.started) * PATIENCE), self.idle_longest)
+        self.interval = min(self.interval * 2, longest)
         self.polls += 1
         return True
 
@@ -162,13 +171,17 @@ def _read_record(storage: Storage, path: str) -> tuple[str, str] | None:
 
 
 def _failure(
-    storage: Storage, step: int, attempt: str, signals: GroupStore, names: list[str] | None = None
+    storage: Storage, step: int, attempt: str, signals: GroupStore, names: list[str] | None = None,
+    *, read: bool = True,
 ) -> CkptdError | None:
     """The attempt's failure, if any rank published one: the store first, then storage (the
-    FAILED marker, or with ``names`` — the coordinator's listing — a rank's record)."""
+    FAILED marker, unless ``read`` is False — a probe saw none —, or with ``names`` — the
+    coordinator's listing — a rank's record)."""
     found = signals.failure(attempt)
     if found is not None:
         pass
+    elif names is None and not read:
+        return None
     elif names is None:
         found = _read_record(storage, layout.failed_path(step, attempt))
     else:
@@ -237,7 +250,7 @@ def commit(
             )
     storage.put_atomic(path, manifest.encode())
     try:
-        storage.put_atomic(layout.LATEST, layout.step_dir(step).encode())
+        storage.put_visible(layout.LATEST, layout.step_dir(step).encode())  # advisory
     except OSError as e:
         log.warning("ckptd: step %d is committed, but the advisory %s was not moved: %s",
                     step, layout.LATEST, e)
@@ -317,27 +330,33 @@ def coordinate(
 def wait_committed(
     storage: Storage, step: int, attempt: str, signals: GroupStore | None = None
 ) -> None:
-    """Block until the coordinator committed ``attempt`` (or raise its reason)."""
+    """Block until the coordinator committed ``attempt`` (or raise its reason). Each poll asks
+    the store, then whether the manifest or the FAILED marker exists — through the storage's
+    probe where it has one (a filesystem: one ``stat`` each, no walk) — and reads only what
+    appeared."""
     signals = signals or GroupStore(None)
     poller = Poller(storage, config.get().commit_timeout_s)
-    while True:
-        if signals.committed(attempt):
-            return
-        if _attempt_at(storage, step) == attempt:
-            return
-        error = _failure(storage, step, attempt, signals)
-        if error is not None:
-            raise error
-        if not poller.wait():
-            if poller.abandoned:
-                raise exiting.Abandoned(
-                    f"step {step}: not committed yet; stopped waiting: {exiting.reason()}; "
-                    "this rank's share is in place: it commits if the coordinator gets every "
-                    "share")
-            raise CkptdError(
-                f"step {step}: no commit after {config.get().commit_timeout_s:.0f}s "
-                "(coordinator dead?)"
-            )
+    paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
+    with storage.probe(paths) as probe:
+        while True:
+            if signals.committed(attempt):
+                return
+            manifest, failed = probe() if probe is not None else (True, True)
+            if manifest and _attempt_at(storage, step) == attempt:
+                return
+            error = _failure(storage, step, attempt, signals, read=failed)
+            if error is not None:
+                raise error
+            if not poller.wait():
+                if poller.abandoned:
+                    raise exiting.Abandoned(
+                        f"step {step}: not committed yet; stopped waiting: {exiting.reason()}; "
+                        "this rank's share is in place: it commits if the coordinator gets "
+                        "every share")
+                raise CkptdError(
+                    f"step {step}: no commit after {config.get().commit_timeout_s:.0f}s "
+                    "(coordinator dead?)"
+                )
 
 
 def _attempt_at(storage: Storage, step: int) -> str | None:

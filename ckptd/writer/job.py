@@ -9,8 +9,8 @@ maps the same staged memory (``ckptd.agent``). A job carries everything that def
 checkpoint it makes (the plan, the codec, the framing, the commit's parameters), so the two
 write the same bytes.
 
-    run:  [settle the retention the previous commit owes]
-          files -> frame table + partial -> (rank 0) merge + commit -> owe retention
+    run:  [wait for the retention the previous commit started, if it still runs]
+          files -> frame table + partial -> (rank 0) merge + commit -> start retention
           on a failure: record it (the process group's store, then storage), remove what this
           rank wrote that no commit can use any more, raise
 
@@ -97,16 +97,17 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
         chunks: ChunkList | None = None, only_commit: bool = False) -> Written:
     """The background half of ``job`` over its staged ``arena`` (see the module docstring).
 
-    ``owed``: the executor's retention, settled before the files and owed again after rank 0's
-    commit (None: none here). ``give_up``: the commit's (:func:`ckptd.writer.commit.
-    coordinate`). ``gate``: passed before each file and each block the storage writes of it.
+    ``owed``: the executor's retention, waited for before the files and started again in the
+    background after rank 0's commit (None: none here). ``give_up``: the commit's
+    (:func:`ckptd.writer.commit.coordinate`). ``gate``: passed before each file and each block
+    the storage writes of it.
     Where the files are already under way or done: ``started`` (their futures: staged and
     started file by file in the caller's thread), ``chunks`` (every file written: a save over
     the host budget, written round by round), ``written`` (some files written: an interrupted
     run's), ``only_commit`` (the partial is in place: a lost node agent's job, taken over)."""
     share = job.share
     if owed is not None:
-        owed.settle()  # the previous commit's: now that this save is staged, before its files
+        owed.settle()  # the previous commit's, if it still runs: this save needs its space
     t0 = time.perf_counter()
     if not only_commit:
         chunks = _write(job, storage, io, arena, signals, gate, written, started, chunks)

@@ -25,6 +25,7 @@ from ckptd.errors import CkptdError, CorruptCheckpoint
 from ckptd.hostarray import HostArray, no_grad
 from ckptd.manifest import Chunk, FrameRef, Manifest, TensorEntry, layout
 from ckptd.manifest.frames import table_file
+from ckptd.manifest.schema import ReplicaSet, names_digest
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
@@ -52,6 +53,9 @@ class Share:
     locals: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
     tuples: frozenset[str] = frozenset()  # paths of tuples whose elements are in ``values``
+    # the declared tensors this rank holds one of several copies of: name -> copies
+    # (``Piece.replicas``); its partial sums them up per replica set
+    replicas: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -236,7 +240,9 @@ class RankWriter:
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         """The rank's frame table, then its partial manifest (which names slices of it)."""
         partial = self.partial(share, chunks)
-        self.storage.put_atomic(
+        # visible, not synced: the live coordinator reads it; after a power loss a lost partial
+        # only means a takeover cannot commit this attempt (docs/format.md, *Fsyncs*)
+        self.storage.put_visible(
             layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
         )
         return partial
@@ -274,13 +280,23 @@ class RankWriter:
             by_name.setdefault(name, []).append(Chunk(  # not dataclasses.replace: 3x the time
                 c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, c.frames, c.rank,
                 FrameRef(table, first, count, digest)))
-        # what it wrote, in full; what it holds but a replica wrote, by name (the coordinator
-        # checks that some rank wrote it): a partial grows with the rank's writes
+        # what it wrote, in full; what it holds but a replica wrote, summed up per replica set
+        # (the coordinator checks that the set's members wrote all of it), or by name when the
+        # writer knows no copies: a partial grows with the rank's writes, not with the model
         tensors = {
             n: TensorEntry(e.dtype_name, e.shape, tuple(by_name.get(n, ())))
             for n, e in share.declared.items() if n in by_name or not math.prod(e.shape)
         }
-        holds = tuple(sorted(n for n in share.declared if n not in tensors))
+        copies = {n: r for n, r in share.replicas.items() if r > 1 and n in share.declared}
+        holds = tuple(sorted(n for n in share.declared if n not in tensors and n not in copies))
+        sets: dict[int, list[str]] = {}
+        for n, r in copies.items():
+            sets.setdefault(r, []).append(n)
+        replicated = []
+        for r, names in sorted(sets.items()):
+            names.sort()
+            replicated.append(ReplicaSet(r, len(names), names_digest(names),
+                                         tuple(n for n in names if n in tensors)))
         return Manifest(
             share.step,
             share.attempt,
@@ -292,6 +308,7 @@ class RankWriter:
             share.training,
             rank=share.rank,
             holds=holds,
+            replicated=tuple(replicated),
             tuples=share.tuples,
         )
 

@@ -47,35 +47,43 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
 
 
 class Owed:
-    """Retention owed after a commit, run when the next save of the same writer has been
-    staged (:meth:`settle` before its write) or when the writer closes — not at once: with
-    saves back to back, removing a large step (the kernel freeing its pages, the journal) ran
-    during the next save's staging copy and stretched the stall (``benchmarks/README.md``, *The
-    node agent*, runs 18-30). The disk holds no more than before: ``keep_last`` + 1 steps
-    between two saves, as it did during each save."""
+    """Retention owed after a commit, run off the commit's path: a thread of its own starts it
+    as soon as the commit is written (:meth:`owe`), and the writer's next save waits for it
+    before its files (:meth:`settle`), so the disk holds no more than ``keep_last`` + 1 steps
+    while a save is written, as it always did; the writer's close waits for it too. Neither
+    the commit that owes it nor the handle of that save waits for it, and no failure of it
+    fails a save: it is logged, and the next commit owes it again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owed: tuple[Storage, int] | None = None
+        self._running: threading.Thread | None = None
 
     def owe(self, storage: Storage, keep_last: int) -> None:
-        """After a commit: retention is due (``keep_last`` > 0)."""
-        if keep_last > 0:
-            with self._lock:
-                self._owed = (storage, keep_last)
+        """After a commit: retention is due (``keep_last`` > 0); it starts now, in the
+        background."""
+        if keep_last <= 0:
+            return
+        self.settle()  # (one at a time: a commit owes it after the previous one was settled)
+        worker = threading.Thread(target=_retain, args=(storage, keep_last),
+                                  name="ckptd-retention", daemon=True)
+        with self._lock:
+            self._running = worker
+        worker.start()
 
     def settle(self) -> None:
-        """Run the retention owed, if any. Best effort: a failure is logged, and the next
-        commit owes it again."""
+        """Wait for the retention owed, if it still runs (the next save needs its space)."""
         with self._lock:
-            owed, self._owed = self._owed, None
-        if owed is None:
-            return
-        storage, keep_last = owed
-        try:
-            apply_retention(storage, keep_last)
-        except OSError as e:
-            log.warning("ckptd: retention under %s failed: %s", storage.url, e)
+            worker, self._running = self._running, None
+        if worker is not None:
+            worker.join()
+
+
+def _retain(storage: Storage, keep_last: int) -> None:
+    try:
+        apply_retention(storage, keep_last)
+    except Exception as e:  # noqa: BLE001 - best effort: the step it follows is committed
+        log.warning("ckptd: retention under %s failed: %s: %s", storage.url,
+                    type(e).__name__, e)
 
 
 @dataclass

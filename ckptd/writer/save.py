@@ -163,6 +163,7 @@ class Saver:
             ),
             training=_json_copy(training or {}),
             tuples=described.tuples if opts.rank == 0 else frozenset(),
+            replicas=_replicas(described),
         )
         rounds = self.plan(described)
         if len(rounds) > 1 and overlap:
@@ -378,6 +379,15 @@ def _in_process(executor: Executor) -> InProcess:
     """The in-process executor behind ``executor`` (saves over the host budget are written by
     this process, round by round, whoever runs the other saves)."""
     return executor if isinstance(executor, InProcess) else executor.fallback  # type: ignore[attr-defined, no-any-return]
+
+
+def _replicas(described: Described) -> dict[str, int]:
+    """The tensors of which this rank holds one of several copies, and how many copies."""
+    out: dict[str, int] = {}
+    for p in described.pieces:
+        if p.replicas > 1:
+            out[p.name] = max(out.get(p.name, 0), p.replicas)
+    return out
 
 
 def _json_copy(value: Any) -> Any:
