@@ -19,7 +19,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, config
+from ckptd import catalog, config, stateful
 from ckptd.agent.client import AgentClient
 from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for, timeout_s
@@ -287,7 +287,7 @@ class Checkpointer:
         saver = self._writer()
         saver.raise_pending()
         step = self._next_step(state, step)
-        described = describe(state, self.rank, self.world_size)
+        described = describe(stateful.unfold(state).tree, self.rank, self.world_size)
         handle = saver.save_async(described, step, overlap=overlap, training=training,
                                   urgent=urgent, overwrite=overwrite, started=started)
         self._last_step = step
@@ -309,7 +309,8 @@ class Checkpointer:
         """Allocate (and fault in) the staging memory ``state`` will need, ahead of the first
         save, so that save's stall is one copy rather than one copy plus page faults. Returns
         the bytes reserved."""
-        return self._writer().reserve(describe(state, self.rank, self.world_size))
+        tree = stateful.unfold(state).tree
+        return self._writer().reserve(describe(tree, self.rank, self.world_size))
 
     def save(
         self,
@@ -408,9 +409,24 @@ class Checkpointer:
 
         ``source`` loads from another checkpoint instead of this root: a
         torch.distributed.checkpoint directory (its pickled ``.metadata`` is only read with
-        ``trust=True``)."""
+        ``trust=True``).
+
+        A model, an optimizer beside it, an LR scheduler or any object with ``state_dict()``
+        and ``load_state_dict()`` in ``state`` gets its loaded state once the whole load
+        succeeded (``ckptd.stateful``); a failed load leaves them as they were."""
         self._check_open()
         self.open()
+        unfolded = stateful.unfold(state, loading=True)
+        try:
+            result = self._load(unfolded.tree, step, strict, source, trust)
+        except BaseException:
+            unfolded.undo()
+            raise
+        unfolded.restore()
+        return result
+
+    def _load(self, state: Any, step: int | None, strict: Strict, source: str | None,
+              trust: bool) -> LoadResult:
         reader = Reader(self.storage, self.rank, self.world_size, self._io)
         if source is not None or self.storage.exists(layout.DCP_METADATA):
             found = reader.load_source(state, source, step, strict, trust)
