@@ -1,7 +1,8 @@
 """The Checkpointer: the face of one root for one rank — its configuration, ``describe``,
 the hand-off of saves to the save path (:class:`ckptd.writer.save.Saver`) and loading
-(:class:`ckptd.loader.reader.Reader`). No collectives happen after ``__init__`` on the save
-path.
+(:class:`ckptd.loader.reader.Reader`). Constructing one does no I/O; :meth:`Checkpointer.open`
+(on first use) joins the node agent and claims the root. No collectives happen after it on the
+save path.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, config
+from ckptd import catalog, config, stateful
 from ckptd.agent.client import AgentClient
 from ckptd.agent.executor import AgentExecutor
-from ckptd.agent.launch import agent_wanted, connect_for
+from ckptd.agent.launch import agent_wanted, connect_for, timeout_s
 from ckptd.agent.load_tier import memory_tier
 from ckptd.errors import CkptdError
 from ckptd.loader.load import Strict
@@ -86,8 +87,8 @@ class Checkpointer:
         on_busy: ``"block"`` (default) or ``"skip"``: what a save does when ``max_inflight``
             saves are in flight. A skipped save's ``result().skipped`` is True.
         run_id: the id every rank of one job incarnation shares; None: agreed by one
-            broadcast when ``torch.distributed`` is initialised, else ``$CKPTD_RUN_ID`` or
-            torchrun's ``$TORCHELASTIC_RUN_ID`` and restart count.
+            broadcast (when the root is opened) if ``torch.distributed`` is initialised,
+            else ``$CKPTD_RUN_ID`` or torchrun's ``$TORCHELASTIC_RUN_ID`` and restart count.
         storage: a ``ckptd.storage.base.Storage`` object to use instead of opening ``root``
             (saves then run in this process: no other process can open it).
         debug_overlap: check at ``handle.wait_staged()`` that a state saved with
@@ -96,8 +97,8 @@ class Checkpointer:
         host_budget_bytes: the most host memory one save may stage; a larger state is staged
             and written in rounds (the caller then waits until it is durable). None: no limit.
         read_only: a reader (an evaluation job, a tool): it never takes the root over and
-            refuses ``save``. A writing Checkpointer claims the root: a job still writing under
-            the previous owner fails its next commit.
+            refuses ``save``. A writing Checkpointer claims the root when it opens it: a job
+            still writing under the previous owner fails its next commit.
         agent: hand each staged save to this node's agent process, started if none runs;
             None: ``$CKPTD_AGENT`` (1 or 0), and when that is unset, on Linux. With
             ``agent=False``, with no agent to be had, or with ``storage=``, saves run in this
@@ -105,6 +106,9 @@ class Checkpointer:
 
     Every parameter is fixed at construction: setting the attribute of one later
     (``ckpt.keep_last = 5``) raises ``AttributeError``; build a new Checkpointer instead.
+
+    Constructing does no I/O: the root is opened (:meth:`open`: the run id agreed, the node
+    agent joined, the root claimed) by the first call that needs it.
 
     >>> ckpt = Checkpointer("/tmp/ckpts")                       # doctest: +SKIP
     >>> ckpt.save({"model": model.state_dict(), "step": 10})   # doctest: +SKIP
@@ -129,40 +133,30 @@ class Checkpointer:
         self.url = self.storage.url
         self.keep_last = keep_last
         self.threads = self.threads_for(threads)
-        self.run_id = agree_run_id(self.rank, self.world_size, run_id)
         self.read_only = read_only
         self._last_step: int | None = None
         self._closed = False
-        # A writer takes the root over (its Saver claims it on rank 0); a reader (an evaluation
-        # job, a tool) must not, or it would stop the training job that owns the root.
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptd-io")
         self._saver: Saver | None = None
         # the same on every rank: whether loads ask every node's agent what it holds
         self._agents = not read_only and agent_wanted(agent, root, own_storage=storage is None)
+        if self._agents:
+            timeout_s()  # a bad setting fails here, not at the first save
         # the root as resolved here (an absolute path): an agent started elsewhere must not
         # resolve a relative one in its own working directory
         self._agent_spec = ({"url": self.url, "options": storage_options} if self._agents
                             else None)
-        if not read_only:
-            options = SaveOptions(
-                rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                keep_last=keep_last, compression=compression, threads=self.threads,
-                max_inflight=max_inflight, on_busy=on_busy,
-                host_budget_bytes=host_budget_bytes,
-                debug_overlap=debug_overlap or config.DEBUG_OVERLAP.get(),
-                attempt_base=agree_attempt_base(
-                    self.world_size, bool(run_id or config.RUN_ID.get())))
-            client = connect_for(agent, self.url, storage_options, own_storage=storage is None,
-                                 threads=self.threads, incarnation=options.incarnation,
-                                 rank=self.rank)
-            auto = AutoCodec(options.threads) if options.compression == "auto" else None
-            executor = self._executor(options, client, auto)
-            try:
-                self._saver = Saver(self.storage, options, executor.signals, executor, auto)
-            except BaseException:  # the root cannot be claimed: let go of the agent too
-                executor.close()
-                self._io.shutdown(wait=False)
-                raise
+        # what open() does, on first use (saved here: it needs the process group, which the
+        # caller may set up after constructing)
+        self._open_args: dict[str, Any] = dict(
+            run_id=run_id, keep_last=keep_last, compression=compression,
+            max_inflight=max_inflight, on_busy=on_busy, host_budget_bytes=host_budget_bytes,
+            debug_overlap=debug_overlap, agent=agent, storage_options=storage_options,
+            own_storage=storage is None)
+        self._run_id: str | None = None
+        self._opened = False
+        self._open_error: BaseException | None = None
+        self._open_lock = threading.Lock()
         _live.add(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -173,6 +167,73 @@ class Checkpointer:
                 f"Checkpointer.{name} is fixed at construction and cannot change: build a new "
                 f"Checkpointer(..., {name}=...) (close this one first)")
         super().__setattr__(name, value)
+
+    def open(self) -> Checkpointer:
+        """Open the root for this Checkpointer, once (later calls return at once); returns it.
+
+        A writing Checkpointer agrees its run id with the other ranks, joins this node's agent
+        (started if none runs; waits for an earlier incarnation's saves in it) and, on rank 0,
+        takes the root over: the previous owner's complete attempts are committed in its name
+        first, so the newest state it made durable is ``latest_step()``. A read-only
+        Checkpointer has nothing to open.
+
+        The first ``save``, ``save_async``, ``load``, ``latest_step``, ``read_manifest``,
+        ``reserve``, ``pool``, ``executor`` or ``hands_off`` calls it; ``with
+        Checkpointer(...)`` too. With ``torch.distributed`` initialised it is a collective
+        (one broadcast, the same whichever call makes it): every rank opens at the same point
+        of its sequence of collectives. When the first call differs between ranks, or only
+        some ranks make it (``if rank == 0: ckpt.latest_step()``), call ``open()`` on every
+        rank first. Safe to call from several threads. An open that failed raises its error
+        again on every later use."""
+        with self._open_lock:
+            if self._open_error is not None:
+                raise CkptdError(f"{self.url}: this Checkpointer could not open its root: "
+                                 f"{self._open_error}") from self._open_error
+            if self._opened:
+                return self
+            self._check_open()
+            try:
+                if not self.read_only:
+                    self._saver = self._open_writer(**self._open_args)
+            except BaseException as e:
+                self._open_error = e
+                raise
+            self._opened = True
+        return self
+
+    def _open_writer(self, *, run_id: str | None, storage_options: dict[str, Any] | None,
+                     agent: bool | None, own_storage: bool, **kw: Any) -> Saver:
+        """The Saver of a writing Checkpointer: the run id agreed (the open's one collective),
+        the node agent joined, the root claimed on rank 0."""
+        self._run_id = agree_run_id(self.rank, self.world_size, run_id)
+        options = SaveOptions(
+            rank=self.rank, world_size=self.world_size, run_id=self._run_id,
+            threads=self.threads, keep_last=kw["keep_last"], compression=kw["compression"],
+            max_inflight=kw["max_inflight"], on_busy=kw["on_busy"],
+            host_budget_bytes=kw["host_budget_bytes"],
+            debug_overlap=kw["debug_overlap"] or config.DEBUG_OVERLAP.get(),
+            attempt_base=agree_attempt_base(
+                self.world_size, bool(run_id or config.RUN_ID.get())))
+        client = connect_for(agent, self.url, storage_options, own_storage=own_storage,
+                             threads=self.threads, incarnation=options.incarnation,
+                             rank=self.rank)
+        auto = AutoCodec(options.threads) if options.compression == "auto" else None
+        executor = self._executor(options, client, auto)
+        try:
+            return Saver(self.storage, options, executor.signals, executor, auto)
+        except BaseException:  # the root cannot be claimed: let go of the agent too
+            executor.close()
+            raise
+
+    @property
+    def run_id(self) -> str:
+        """This job incarnation's id, the same on every rank (opens a writing Checkpointer;
+        a read-only one agrees it on first access)."""
+        if not self.read_only:
+            self.open()
+        if self._run_id is None:
+            self._run_id = agree_run_id(self.rank, self.world_size, self._open_args["run_id"])
+        return self._run_id
 
     def _executor(self, options: SaveOptions, client: AgentClient | None,
                   auto: AutoCodec | None) -> InProcess | AgentExecutor:
@@ -226,7 +287,7 @@ class Checkpointer:
         saver = self._writer()
         saver.raise_pending()
         step = self._next_step(state, step)
-        described = describe(state, self.rank, self.world_size)
+        described = describe(stateful.unfold(state).tree, self.rank, self.world_size)
         handle = saver.save_async(described, step, overlap=overlap, training=training,
                                   urgent=urgent, overwrite=overwrite, started=started)
         self._last_step = step
@@ -239,6 +300,7 @@ class Checkpointer:
 
     def _writer(self) -> Saver:
         self._check_open()
+        self.open()
         if self._saver is None:
             raise CkptdError(f"{self.url}: this Checkpointer is read-only (read_only=True)")
         return self._saver
@@ -247,7 +309,8 @@ class Checkpointer:
         """Allocate (and fault in) the staging memory ``state`` will need, ahead of the first
         save, so that save's stall is one copy rather than one copy plus page faults. Returns
         the bytes reserved."""
-        return self._writer().reserve(describe(state, self.rank, self.world_size))
+        tree = stateful.unfold(state).tree
+        return self._writer().reserve(describe(tree, self.rank, self.world_size))
 
     def save(
         self,
@@ -279,12 +342,14 @@ class Checkpointer:
         over once it is staged; ``ckptd agent --status`` tells what it holds), or
         ``"process"`` (this process's own threads: with ``agent=False``, a read-only
         Checkpointer, no agent to be had, or once the agent was lost)."""
+        self.open()
         return self._saver.executor.name if self._saver is not None else "process"
 
     @property
     def hands_off(self) -> bool:
         """Whether this rank's saves go to a node agent that, stopping (SIGTERM) and unable to
         write a save inside the grace window, hands it to a peer's agent (``docs/agent.md``)."""
+        self.open()
         return self._saver is not None and self._saver.executor.hands_off
 
     def wait(self) -> None:
@@ -294,8 +359,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Drain in-flight saves, stop the threads; raises a pending background error."""
-        if self._closed:
-            return
+        with self._open_lock:  # an open under way finishes first; none starts after this
+            if self._closed:
+                return
+            self._closed = True
         try:
             if self._saver is not None:
                 try:
@@ -303,7 +370,6 @@ class Checkpointer:
                 finally:
                     self._saver.executor.close()
         finally:
-            self._closed = True
             self._io.shutdown(wait=True)
             _live.discard(self)
 
@@ -312,7 +378,7 @@ class Checkpointer:
             raise CkptdError("this Checkpointer is closed")
 
     def __enter__(self) -> Checkpointer:
-        return self
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -322,10 +388,12 @@ class Checkpointer:
         """Newest committed step under the root, in commit order (``docs/format.md``): a newer
         owner's steps win over an older owner's whatever their numbers. Never commits
         anything."""
+        self.open()
         last = catalog.newest(self.storage)
         return None if last is None else last.step
 
     def read_manifest(self, step: int) -> Manifest:
+        self.open()
         return catalog.read_manifest(self.storage, step)
 
     def load(self, state: Any, *, step: int | None = None, strict: Strict = True,
@@ -341,8 +409,24 @@ class Checkpointer:
 
         ``source`` loads from another checkpoint instead of this root: a
         torch.distributed.checkpoint directory (its pickled ``.metadata`` is only read with
-        ``trust=True``)."""
+        ``trust=True``).
+
+        A model, an optimizer beside it, an LR scheduler or any object with ``state_dict()``
+        and ``load_state_dict()`` in ``state`` gets its loaded state once the whole load
+        succeeded (``ckptd.stateful``); a failed load leaves them as they were."""
         self._check_open()
+        self.open()
+        unfolded = stateful.unfold(state, loading=True)
+        try:
+            result = self._load(unfolded.tree, step, strict, source, trust)
+        except BaseException:
+            unfolded.undo()
+            raise
+        unfolded.restore()
+        return result
+
+    def _load(self, state: Any, step: int | None, strict: Strict, source: str | None,
+              trust: bool) -> LoadResult:
         reader = Reader(self.storage, self.rank, self.world_size, self._io)
         if source is not None or self.storage.exists(layout.DCP_METADATA):
             found = reader.load_source(state, source, step, strict, trust)
@@ -368,8 +452,8 @@ class Checkpointer:
 _PARAMETERS = frozenset(inspect.signature(Checkpointer.__init__).parameters) - {"self"}
 # the parameters the Checkpointer keeps as attributes (set once, by __init__); "url" is the
 # root's resolved address
-_STORED = frozenset({"rank", "world_size", "storage", "keep_last", "threads", "run_id",
-                     "read_only", "url"})
+_STORED = frozenset({"rank", "world_size", "storage", "keep_last", "threads", "read_only",
+                     "url"})  # run_id is a property: agreed when the root is opened
 _PARAMETERS |= {"url"}
 
 

@@ -58,7 +58,7 @@ def _kill(pid: int) -> None:
 def _second_run(root: str, caplog: pytest.LogCaptureFixture, run_id: str = "second") -> list[str]:
     """The restarted job's Checkpointer on node a (it drains the agent first); what it warned."""
     with caplog.at_level(logging.WARNING, logger="ckptd"):
-        ckptd.Checkpointer(root, rank=0, world_size=1, run_id=run_id, agent=True).close()
+        ckptd.Checkpointer(root, rank=0, world_size=1, run_id=run_id, agent=True).open().close()
     return [r.getMessage() for r in caplog.records if "still runs" in r.getMessage()]
 
 

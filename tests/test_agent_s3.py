@@ -82,7 +82,8 @@ def test_an_s3_save_survives_its_trainer_and_the_restart_reads_the_agent_s_memor
 def _without_credentials(url: str, options: dict, conn) -> None:
     torch.set_num_threads(1)
     try:
-        ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options, agent=True)
+        ckptd.Checkpointer(url, rank=0, world_size=1, storage_options=options,
+                           agent=True).open()
         conn.send("no error")
     except Exception as e:  # noqa: BLE001 - what it was is the test's to check
         conn.send(f"{type(e).__name__}: {e}")

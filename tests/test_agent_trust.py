@@ -164,8 +164,9 @@ def test_a_full_disk_and_a_foreign_writer_arrive_as_their_classes_through_the_ag
             c.save({"w": torch.ones(1000)}, step=3)
         root2 = str(tmp_path / "root2")
         with ckptd.Checkpointer(root2, rank=0, world_size=1, run_id="first", agent=True) as c:
-            ckptd.Checkpointer(root2, rank=0, world_size=1, run_id="second",
-                               agent=False).close()  # takes the root over
+            with ckptd.Checkpointer(root2, rank=0, world_size=1, run_id="second",
+                                    agent=False):
+                pass  # opened: it takes the root over
             with pytest.raises(ckptd.ForeignWriter, match="owned by run second"):
                 c.save({"w": torch.ones(4)}, step=1)
     finally:

@@ -97,7 +97,7 @@ def test_ls_lists_a_damaged_step_as_damaged_and_the_others_as_they_are(tmp_path,
 
 
 def test_an_empty_new_root_lists_no_steps(tmp_path, capsys):
-    ckptd.Checkpointer(str(tmp_path / "new"), run_id="x").close()  # owner.json only
+    ckptd.Checkpointer(str(tmp_path / "new"), run_id="x").open().close()  # owner.json only
     assert main(["ls", str(tmp_path / "new")]) == 0
     assert "no steps yet" in capsys.readouterr().out
 

@@ -52,7 +52,7 @@ def test_two_jobs_on_one_root_fail_loudly(tmp_path):
     url = str(tmp_path)
     first = ckptd.Checkpointer(url, run_id="job-a")
     first.save({"w": torch.ones(3)}, step=1)
-    second = ckptd.Checkpointer(url, run_id="job-b")  # takes the root over
+    second = ckptd.Checkpointer(url, run_id="job-b").open()  # takes the root over
     with pytest.raises(ForeignWriter, match="owned by run job-b.*another job"):
         first.save({"w": torch.zeros(3)}, step=2)
     second.save({"w": torch.full((3,), 2.0)}, step=2)

@@ -88,7 +88,7 @@ def test_a_reader_never_commits_a_foreign_jobs_complete_attempt(tmp_path):
     disk = _MarkerFails(root)  # (a storage object: job a saves in process)
     a = ckptd.Checkpointer(root, run_id="job-a", keep_last=0, storage=disk)
     a.save(_w(1), step=1)
-    b = ckptd.Checkpointer(root, run_id="job-b", keep_last=0)  # takes the root over
+    b = ckptd.Checkpointer(root, run_id="job-b", keep_last=0).open()  # takes the root over
     b.save(_w(2), step=2)
     # job a's step 3: complete, its coordinator refused, and the FAILED marker it writes lost
     # (so its share stays, as a coordinator's that died would)

@@ -271,6 +271,20 @@ def test_a_rank_that_was_not_signalled_exits_with_the_restart_code(
     assert (out.saved, out.signalled, out.exit_code) == (True, False, elastic.EXIT_RESTART)
 
 
+def test_a_preemption_save_takes_a_model_and_its_optimizer_as_they_are(
+        tmp_path: Path, checkpointers: list[ckptd.Checkpointer]) -> None:
+    ckpt = open_ckpt(tmp_path / "ckpt", checkpointers)
+    run = new_run(ckpt, 3, tmp_path)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    run.step_done()
+    out = run.save_on_preemption({"model": model, "optim": opt})
+    assert out.saved and out.nbytes > 0, out.reason
+    assert "optim/state/weight/exp_avg" in ckpt.read_manifest(ckpt.latest_step()).tensors
+
+
 class SignallingStorage(LocalStorage):
     """Once ``armed``, the first data-file write sends SIGTERM to this process: the signal
     arrives while a save is being written."""

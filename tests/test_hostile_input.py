@@ -331,7 +331,7 @@ def test_a_root_that_cannot_be_created_is_a_storage_error_naming_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(StorageError, match=rf"^{blocker}/root: Not a directory$"):
-        ckptd.Checkpointer(str(blocker / "root"), run_id="w")
+        ckptd.Checkpointer(str(blocker / "root"), run_id="w").open()
     bad = tmp_path / "ok"
     with ckptd.Checkpointer(str(bad), run_id="w") as c:
         with pytest.raises(StorageError, match="not a path inside the checkpoint root"):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ckptd
 from ckptd.manifest import layout as L
 
@@ -44,6 +46,20 @@ def test_fsdp2_example_saves_async_on_four_ranks_and_resumes_on_two_with_adam_st
         "optim/state/blocks.0.up.weight/exp_avg",
         "optim/state/blocks.0.up.weight/exp_avg_sq",
     } <= set(m.tensors)
+
+
+@pytest.mark.slow
+def test_fsdp2_model_and_optimizer_passed_as_objects_save_on_two_ranks_resume_on_three(tmp_path):
+    out = run_example("integrations/fsdp2/train.py", "--root", str(tmp_path),
+                      "--save-world", "2", "--resume-world", "3")
+    resumed = re.search(
+        r"resumed step 4 on 3 ranks from a checkpoint of 2 ranks: state (\w+), saved (\w+)", out
+    )
+    assert resumed is not None, out
+    assert resumed.group(1) == resumed.group(2)  # model + Adam state, full tensors, bit-exact
+    m = manifest(tmp_path)
+    assert (m.step, m.world_size) == (6, 3)
+    assert "optim/state/blocks.1.down.weight/exp_avg_sq" in m.tensors  # by name, not index
 
 
 def test_flat_buffer_example_resumes_on_another_dp_tp_pp_layout_bit_exact(tmp_path):

@@ -67,7 +67,9 @@ def resume(
                           for r in handoff.read_records(ckpt.storage, step, m.attempt)})
         return time.time(), step, dict(m.training), writers
 
-    # rank 0 looks, everyone gets the same answer (and the same clock for the history entry)
+    # rank 0 looks, everyone gets the same answer (and the same clock for the history entry);
+    # the root is opened first on every rank, for opening is a collective
+    ckpt.open()
     now, step, training, writers = from_rank0(latest)
     if step is None:
         spec = reference if world == reference.world_size else _replan(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ckptd import checkpointer
+from ckptd import checkpointer, stateful
 from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
 from ckptd.data.order import Order
@@ -275,7 +275,8 @@ class ElasticRun:
         committed = self._committed_step == self.step
         nbytes = 0 if committed else sum(
             p.view.numel() * p.view.element_size()
-            for p in describe(state, self.ckpt.rank, self.ckpt.world_size).pieces if p.is_writer)
+            for p in describe(stateful.unfold(state).tree, self.ckpt.rank,
+                              self.ckpt.world_size).pieces if p.is_writer)
         bandwidth = self._bandwidth or self.meta.policy.assumed_write_bytes_per_s
         projection = nbytes / bandwidth if drained else math.inf
         all_committed, projected, blocking = _all_committed(committed, projection,

@@ -53,6 +53,7 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.tools import filesystem
 
+from ckptd import stateful
 from ckptd.checkpointer import Checkpointer
 from ckptd.errors import CkptdError
 from ckptd.interop.dcp import load_dcp
@@ -124,11 +125,11 @@ class CkptdCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # to
         tree: dict[str, Any] = dict(self.states[MODEL].state_dict())
         if model_only:
             return tree
-        for key, obj in self.states.items():
-            if key == MODEL or key in exclude or obj is None:
-                continue
-            sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
-            tree[key] = Local(sd) if key == DATALOADER else sd
+        others = {key: obj for key, obj in self.states.items()
+                  if key != MODEL and key not in exclude and obj is not None}
+        tree.update(stateful.unfold(others).tree)  # each Stateful by its state_dict()
+        if DATALOADER in tree:
+            tree[DATALOADER] = Local(tree[DATALOADER])
         return tree
 
     def _should_save(self, step: int, last_step: bool) -> bool:
@@ -260,7 +261,7 @@ class CkptdCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # to
                 value = self._dataloader_state(obj, value)
                 if value is None:
                     continue
-            obj.load_state_dict(value)
+            stateful.load_state_dict(obj, value)
 
     @staticmethod
     def _dataloader_state(loader: Any, loaded: Any) -> dict[str, Any] | None:

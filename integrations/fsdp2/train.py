@@ -4,12 +4,11 @@
 
 A small decoder-style model is wrapped with ``fully_shard`` (each block, then the root) on a
 1-d mesh of gloo ranks on 127.0.0.1. Every few steps the training loop takes the model and
-optimizer state with ``torch.distributed.checkpoint.state_dict.get_state_dict`` — DTensors keyed
-by parameter name, sharded as FSDP2 holds them — and hands it to ``ckptd.save_async``, which
-returns once the state is copied to host memory. The second run, on a different number of ranks,
-builds the same model, asks ``get_state_dict`` for a destination (it creates the empty Adam
-state), ``ckptd.load`` s into it (resharding the DTensors), puts it back with
-``set_state_dict`` and carries on. Both runs print a fingerprint of the whole model + optimizer
+optimizer as they are to ``ckptd.save_async``, which takes their state by parameter name
+(DTensors, sharded as FSDP2 holds them) and returns once it is copied to host memory. The second
+run, on a different number of ranks, builds the same model and a fresh optimizer and
+``ckptd.load`` s into them (resharding the DTensors; the Adam state is created to be filled) and
+carries on. Both runs print a fingerprint of the whole model + optimizer
 state: the one saved with the checkpoint and the one after the resume must be equal.
 
 Under torchrun, one phase per launch::
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -112,10 +111,8 @@ def train(rank: int, world: int, root: str, steps: int, save_every: int) -> None
     model, opt = build(world)
     start = 0
     if ckptd.latest_step() is not None:
-        msd, osd = get_state_dict(model, opt)  # DTensors to fill, Adam state included
-        state = {"model": msd, "optim": osd, "step": 0}
-        loaded = ckptd.load(state)  # reshards whatever world size saved it
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        state = {"model": model, "optim": opt, "step": 0}
+        loaded = ckptd.load(state)  # reshards whatever world size saved it, Adam state too
         start = state["step"]
         now, saved = fingerprint(model, opt), loaded.training["fingerprint"]
         if rank == 0:
@@ -135,9 +132,8 @@ def train(rank: int, world: int, root: str, steps: int, save_every: int) -> None
         if rank == 0:
             print(f"step {step + 1} on {world} ranks: loss {loss.item():.4f}", flush=True)
         if (step + 1) % save_every == 0:
-            msd, osd = get_state_dict(model, opt)
             ckptd.save_async(  # returns once staged; training goes on while it is written
-                {"model": msd, "optim": osd, "step": step + 1},
+                {"model": model, "optim": opt, "step": step + 1},
                 training={"fingerprint": fingerprint(model, opt), "world_size": world},
             )
     ckptd.wait()
