@@ -1,8 +1,13 @@
-"""Retention (``keep_last``) and garbage collection (``ckptd gc``).
+"""Retention, deleting a step, and garbage collection (``ckptd gc``).
 
-Retention removes whole committed steps beyond the newest ``keep_last`` in commit order
-(:mod:`ckptd.catalog`), never the newest. Garbage collection removes every attempt that
-no committed manifest names and that can never commit any more:
+Retention removes the whole committed steps that the root's policy (:mod:`ckptd.policies`;
+``keep_last=N`` is ``KeepLast(N)``) does not keep, never the newest in commit order
+(:mod:`ckptd.catalog`). It and ``Checkpointer.delete`` remove a step the same way,
+:func:`remove_step`: the manifest first, so that a reader never takes a half-removed step for
+a committed one (``ckptd.loader.reader``: a load that loses its files says the step was
+removed), then the files; removing a step twice, or one that another remover is removing, is
+not an error. Garbage collection removes every attempt that no committed manifest names and
+that can never commit any more:
 
 - an attempt with a FAILED marker or a rank's failure record;
 - an attempt of a run that no longer owns the root (``owner.json``): the commit refuses it, and
@@ -22,11 +27,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptd import config
-from ckptd.catalog import Owner, all_steps, committed, read_owner
+from ckptd.catalog import Committed, Owner, all_steps, committed, read_head, read_owner
+from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout
+from ckptd.policies import Candidate, KeepLast, Retention
 from ckptd.storage import Storage
 from ckptd.storage.base import as_storage
 from ckptd.writer.commit import attempt_run
@@ -34,16 +43,57 @@ from ckptd.writer.commit import attempt_run
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Storage, keep_last: int) -> list[int]:
-    """Remove committed steps beyond the newest ``keep_last`` in commit order (never the
-    newest one, whatever the step numbers say)."""
+def remove_step(storage: Storage, step: int) -> bool:
+    """Remove committed ``step``: uncommit it (its manifest goes first: readers never see a
+    half-removed step as committed), then its files. Whether it was committed when called;
+    a step already removed, or being removed by another caller, is not an error."""
+    was = storage.exists(layout.manifest_path(step))
+    storage.remove(layout.manifest_path(step))
+    storage.remove(layout.step_dir(step))
+    return was
+
+
+Metrics = dict[tuple[int, str], Mapping[str, Any]]  # (step, attempt) -> its training metadata
+
+
+def apply_retention(storage: Storage, policy: Retention | int,
+                    known: Metrics | None = None) -> list[int]:
+    """Remove the committed steps ``policy`` does not keep (an int: ``KeepLast``), never the
+    newest one in commit order, whatever the step numbers say. A policy that reads metrics
+    reads them from the steps' manifests (``known``: those already read, by step and attempt,
+    updated here), so it decides the same after a restart."""
+    if isinstance(policy, int):
+        policy = KeepLast(max(1, policy))
     steps = committed(storage)
-    doomed = [c.step for c in steps[: max(0, len(steps) - max(1, keep_last))]]
+    if len(steps) <= 1:
+        return []
+    found = _candidates(storage, steps, policy, {} if known is None else known)
+    kept = policy.keep(found) | {steps[-1].step}
+    doomed = [c.step for c in steps if c.step not in kept]
     for s in doomed:
-        # uncommit first: readers never see a half-deleted step
-        storage.remove(layout.manifest_path(s))
-        storage.remove(layout.step_dir(s))
+        remove_step(storage, s)
     return doomed
+
+
+def _candidates(storage: Storage, steps: list[Committed], policy: Retention,
+                known: Metrics) -> list[Candidate]:
+    """``steps`` as the policy sees them: with their training metadata when it reads some
+    (each manifest's head read once: ``known``)."""
+    if not policy.metrics:
+        return [Candidate(c.step, {}) for c in steps]
+    out = []
+    for c in steps:
+        key = (c.step, c.attempt)
+        if key not in known:
+            try:
+                known[key] = read_head(storage, c.step).training
+            except CheckpointNotFound:  # removed meanwhile (Checkpointer.delete)
+                continue
+        out.append(Candidate(c.step, known[key]))
+    live = {(c.step, c.attempt) for c in steps}
+    for key in [k for k in known if k not in live]:
+        del known[key]
+    return out
 
 
 class Owed:
@@ -51,18 +101,20 @@ class Owed:
     staged (:meth:`settle` before its write) or when the writer closes — not at once: with
     saves back to back, removing a large step (the kernel freeing its pages, the journal) ran
     during the next save's staging copy and stretched the stall (``benchmarks/README.md``, *The
-    node agent*, runs 18-30). The disk holds no more than before: ``keep_last`` + 1 steps
-    between two saves, as it did during each save."""
+    node agent*, runs 18-30). The disk holds no more than before: one step more than the
+    policy keeps between two saves, as it did during each save."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owed: tuple[Storage, int] | None = None
+        self._owed: tuple[Storage, Retention] | None = None
+        self._known: Metrics = {}  # the metrics read from manifests (KeepBest)
+        self._applying = threading.Lock()  # one retention at a time (and ``_known``)
 
-    def owe(self, storage: Storage, keep_last: int) -> None:
-        """After a commit: retention is due (``keep_last`` > 0)."""
-        if keep_last > 0:
+    def owe(self, storage: Storage, policy: Retention | None) -> None:
+        """After a commit: retention is due (None: every step is kept)."""
+        if policy is not None:
             with self._lock:
-                self._owed = (storage, keep_last)
+                self._owed = (storage, policy)
 
     def settle(self) -> None:
         """Run the retention owed, if any. Best effort: a failure is logged, and the next
@@ -71,10 +123,11 @@ class Owed:
             owed, self._owed = self._owed, None
         if owed is None:
             return
-        storage, keep_last = owed
+        storage, policy = owed
         try:
-            apply_retention(storage, keep_last)
-        except OSError as e:
+            with self._applying:
+                apply_retention(storage, policy, self._known)
+        except (OSError, CorruptCheckpoint) as e:
             log.warning("ckptd: retention under %s failed: %s", storage.url, e)
 
 
