@@ -138,11 +138,12 @@ class StepMetadata:
     """What a committed step holds, read from its manifest alone (no tensor data is read):
     ``Checkpointer.metadata(step)``. Read-only: the mappings cannot be changed.
 
-    ``tensors``: every saved tensor by name (the state tree's path, ``"model/l0.w"``), its
-    :class:`TensorMetadata`; ``world_size``: the number of ranks that saved it; ``training``:
-    the ``training=`` dict of its save; ``nbytes``: the bytes of its tensor data before
-    compression (each stored chunk once); ``created``: when its last rank finished writing
-    (``time.time()`` seconds), the moment just before the commit."""
+    ``tensors``: every saved tensor by name (the state tree's path, ``"model/l0.w"``; a
+    ``Local`` tensor of rank r as ``"__local__/r/<path>"``), its :class:`TensorMetadata`;
+    ``world_size``: the number of ranks that saved it; ``training``: the ``training=`` dict of
+    its save (lists as tuples); ``nbytes``: the bytes of its tensor data before compression
+    (each stored chunk once); ``created``: when its last rank finished writing (``time.time()``
+    seconds), the moment just before the commit."""
 
     step: int
     url: str  #: the step's directory

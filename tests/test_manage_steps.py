@@ -387,3 +387,15 @@ def test_save_every_gives_every_rank_the_same_answer_from_one_ranks_clock_and_si
     # the last save), by its SIGTERM at step 9 (once), then by its clock at 12; rank 0 saw
     # neither, and saves the same steps
     assert multirank.run(_ranks_agree, 2) == [[4, 7, 9, 12], [4, 7, 9, 12]]
+
+
+def test_delete_leaves_a_step_that_is_not_committed_alone(tmp_path):
+    with ckptd.Checkpointer(str(tmp_path), keep_last=0) as c:
+        c.save(_state(1.0), step=1)
+    # another writer's save of step 2, under way: its files but no manifest yet
+    (tmp_path / "step-000000002" / "data" / "other-000001").mkdir(parents=True)
+    (tmp_path / "step-000000002" / "data" / "other-000001" / "r00000-0.bin").write_bytes(b"x")
+    with ckptd.Checkpointer(str(tmp_path), keep_last=0) as c:
+        assert c.delete(2) is False
+        assert c.steps() == [1]
+    assert (tmp_path / "step-000000002" / "data" / "other-000001" / "r00000-0.bin").exists()

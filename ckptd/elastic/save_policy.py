@@ -33,7 +33,7 @@ class SaveEvery:
     seconds (counted from the last save it asked for, or from the first call), and once on
     preemption (``on_preemption``: a SIGTERM on any rank, as :func:`ckptd.preempted` sees it;
     the handler of :func:`ckptd.on_preemption` is installed when the policy is made, unless
-    one is). ``should_save`` is True when any of them is due.
+    one is: make it in the main thread). ``should_save`` is True when any of them is due.
 
     With ``seconds`` or ``on_preemption``, ``should_save`` is a collective (see the module
     docstring): call it on every rank at the same point of the loop. With ``steps`` alone and

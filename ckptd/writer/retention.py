@@ -45,12 +45,14 @@ log = logging.getLogger("ckptd")
 
 def remove_step(storage: Storage, step: int) -> bool:
     """Remove committed ``step``: uncommit it (its manifest goes first: readers never see a
-    half-removed step as committed), then its files. Whether it was committed when called;
-    a step already removed, or being removed by another caller, is not an error."""
-    was = storage.exists(layout.manifest_path(step))
+    half-removed step as committed), then its files. False, and nothing touched, when it is
+    not committed: already removed or being removed by another caller (not an error), or a
+    save still in flight (its files are not ours to remove; ``ckptd gc`` judges those)."""
+    if not storage.exists(layout.manifest_path(step)):
+        return False
     storage.remove(layout.manifest_path(step))
     storage.remove(layout.step_dir(step))
-    return was
+    return True
 
 
 Metrics = dict[tuple[int, str], Mapping[str, Any]]  # (step, attempt) -> its training metadata
