@@ -21,6 +21,17 @@ _EXPORTS = {
     "save": "ckptd.api",
     "save_async": "ckptd.api",
     "wait": "ckptd.api",
+    "delete": "ckptd.api",
+    "metadata": "ckptd.api",
+    "should_save": "ckptd.api",
+    "steps": "ckptd.api",
+    "StepMetadata": "ckptd.catalog",
+    "TensorMetadata": "ckptd.catalog",
+    "SaveEvery": "ckptd.elastic.save_policy",
+    "KeepAny": "ckptd.policies",
+    "KeepBest": "ckptd.policies",
+    "KeepEvery": "ckptd.policies",
+    "KeepLast": "ckptd.policies",
     "Checkpointer": "ckptd.checkpointer",
     "LoadResult": "ckptd.loader.reader",
     "on_preemption": "ckptd.elastic.preemption",
@@ -49,24 +60,35 @@ __all__ = [
     "FlatShard",
     "ForeignWriter",
     "Fused",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "LoadResult",
     "Local",
     "Phase",
+    "SaveEvery",
     "SaveHandle",
     "SaveResult",
     "Shard",
     "StateMismatch",
+    "StepMetadata",
     "StorageError",
+    "TensorMetadata",
     "close",
+    "delete",
     "elastic",
     "init",
     "latest_step",
     "load",
+    "metadata",
     "on_preemption",
     "preempted",
     "reshard",
     "save",
     "save_async",
+    "should_save",
+    "steps",
     "wait",
 ]
 
@@ -88,10 +110,24 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ckptd import elastic
-    from ckptd.api import close, init, latest_step, load, save, save_async, wait
+    from ckptd.api import (
+        close,
+        delete,
+        init,
+        latest_step,
+        load,
+        metadata,
+        save,
+        save_async,
+        should_save,
+        steps,
+        wait,
+    )
+    from ckptd.catalog import StepMetadata, TensorMetadata
     from ckptd.checkpointer import Checkpointer
     from ckptd.elastic.preemption import on_preemption, preempted
     from ckptd.elastic.reshard import reshard
+    from ckptd.elastic.save_policy import SaveEvery
     from ckptd.errors import (
         CheckpointNotFound,
         CkptdError,
@@ -101,5 +137,6 @@ if TYPE_CHECKING:
         StorageError,
     )
     from ckptd.loader.reader import LoadResult
+    from ckptd.policies import KeepAny, KeepBest, KeepEvery, KeepLast
     from ckptd.sharding import FlatShard, Fused, Local, Shard
     from ckptd.writer.handle import Phase, SaveHandle, SaveResult

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ckptd import checkpointer
+from ckptd.catalog import StepMetadata
 from ckptd.checkpointer import Checkpointer, LoadResult
 from ckptd.loader.load import Strict
+from ckptd.policies import Retention, SavePolicy
 from ckptd.storage import Storage
 from ckptd.writer.handle import SaveHandle, SaveResult
 
@@ -17,7 +19,7 @@ def init(
     *,
     rank: int | None = None,
     world_size: int | None = None,
-    keep_last: int = 3,
+    keep_last: int | None = None,
     compression: str | None = None,
     storage_options: dict[str, Any] | None = None,
     max_inflight: int = 1,
@@ -29,6 +31,8 @@ def init(
     host_budget_bytes: int | None = None,
     read_only: bool = False,
     agent: bool | None = None,
+    retention: Retention | None = None,
+    save_policy: SavePolicy | None = None,
 ) -> Checkpointer:
     """Create the process-wide default Checkpointer that ``ckptd.save``, ``ckptd.load``, ...
     use (closing a previous one) and return it.
@@ -36,8 +40,8 @@ def init(
     Args:
         root, rank, world_size, keep_last, compression, storage_options, max_inflight,
         threads, on_busy, run_id, storage, debug_overlap, host_budget_bytes, read_only,
-        agent: the parameters of :class:`~ckptd.Checkpointer`, with the same defaults;
-            ``help(ckptd.Checkpointer)`` documents each.
+        agent, retention, save_policy: the parameters of :class:`~ckptd.Checkpointer`, with
+            the same defaults; ``help(ckptd.Checkpointer)`` documents each.
 
     >>> import ckptd                                         # doctest: +SKIP
     >>> ckptd.init("/shared/ckpts/run1", keep_last=3)        # doctest: +SKIP
@@ -61,6 +65,8 @@ def init(
         host_budget_bytes=host_budget_bytes,
         read_only=read_only,
         agent=agent,
+        retention=retention,
+        save_policy=save_policy,
     )
     checkpointer.set_default(ckpt)
     return ckpt
@@ -136,3 +142,23 @@ def load(
     is missing); ``source`` may name a torch.distributed.checkpoint directory
     (``trust=True`` to read its pickle)."""
     return _get().load(state, step=step, strict=strict, source=source, trust=trust)
+
+
+def steps() -> list[int]:
+    """The committed steps under the root, ascending."""
+    return _get().steps()
+
+
+def metadata(step: int | None = None) -> StepMetadata:
+    """What committed ``step`` (default: the latest) holds, from its manifest alone."""
+    return _get().metadata(step)
+
+
+def delete(step: int) -> bool:
+    """Remove committed ``step``; False if it was not committed (see Checkpointer.delete)."""
+    return _get().delete(step)
+
+
+def should_save(step: int) -> bool:
+    """Whether to save ``step``, by the default Checkpointer's ``save_policy``."""
+    return _get().should_save(step)

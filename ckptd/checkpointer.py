@@ -19,15 +19,16 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, config, stateful
+from ckptd import catalog, config, policies, stateful
 from ckptd.agent.client import AgentClient
 from ckptd.agent.executor import AgentExecutor
 from ckptd.agent.launch import agent_wanted, connect_for, timeout_s
 from ckptd.agent.load_tier import memory_tier
-from ckptd.errors import CkptdError
+from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.loader.load import Strict
 from ckptd.loader.reader import LoadResult, Reader
 from ckptd.manifest import Manifest, layout
+from ckptd.policies import Retention, SavePolicy
 from ckptd.sharding import describe
 from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import as_storage
@@ -37,6 +38,7 @@ from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import InProcess
 from ckptd.writer.group_store import GroupStore
 from ckptd.writer.handle import Phase, SaveHandle, SaveResult
+from ckptd.writer.retention import remove_step
 from ckptd.writer.save import SaveOptions, Saver
 from ckptd.writer.staging import StagingPool
 
@@ -72,7 +74,8 @@ class Checkpointer:
         rank: this process's rank; None: the process group's, else ``$RANK`` (0).
         world_size: the number of ranks; None: the process group's, else ``$WORLD_SIZE`` (1).
         keep_last: committed steps to keep; older ones are removed after each commit, once
-            the next save is staged. 0 or less keeps every step.
+            the next save is staged. 0 or less keeps every step. Short for
+            ``retention=KeepLast(keep_last)``; None (neither given): 3.
         compression: None (raw bytes), ``"zstd"`` or ``"zstd:LEVEL"`` (byte planes + zstd,
             level 1 by default), or ``"auto"`` (zstd only when the measured storage
             bandwidth is below what zstd delivers; the first save is raw).
@@ -103,6 +106,11 @@ class Checkpointer:
             None: ``$CKPTD_AGENT`` (1 or 0), and when that is unset, on Linux. With
             ``agent=False``, with no agent to be had, or with ``storage=``, saves run in this
             process.
+        retention: which committed steps rank 0 keeps after each commit, a policy:
+            ``ckptd.KeepLast(2) | ckptd.KeepEvery(100)``, ``ckptd.KeepBest(2, "loss")``
+            (``docs/guide.md``, *Managing steps*). The newest step is always kept. Not
+            with ``keep_last``.
+        save_policy: what :meth:`should_save` asks: ``ckptd.SaveEvery(steps=100)``.
 
     Every parameter is fixed at construction: setting the attribute of one later
     (``ckpt.keep_last = 5``) raises ``AttributeError``; build a new Checkpointer instead.
@@ -119,19 +127,24 @@ class Checkpointer:
         root: str,
         *,
         rank: int | None = None, world_size: int | None = None,
-        keep_last: int = 3, compression: str | None = None,
+        keep_last: int | None = None, compression: str | None = None,
         storage_options: dict[str, Any] | None = None,
         max_inflight: int = 1, threads: int | None = None, on_busy: str = "block",
         run_id: str | None = None, storage: Storage | None = None,
         debug_overlap: bool = False, host_budget_bytes: int | None = None,
         read_only: bool = False, agent: bool | None = None,
+        retention: Retention | None = None, save_policy: SavePolicy | None = None,
     ) -> None:
         """See the class's Args."""
+        self._retention = policies.resolve(keep_last, retention)
+        self.keep_last = keep_last if keep_last is not None or retention else 3
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise TypeError(f"save_policy must have should_save(step), got {save_policy!r}")
+        self._save_policy = save_policy
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.storage = (as_storage(storage) if storage is not None
                         else open_storage(root, storage_options))
         self.url = self.storage.url
-        self.keep_last = keep_last
         self.threads = self.threads_for(threads)
         self.read_only = read_only
         self._last_step: int | None = None
@@ -149,7 +162,7 @@ class Checkpointer:
         # what open() does, on first use (saved here: it needs the process group, which the
         # caller may set up after constructing)
         self._open_args: dict[str, Any] = dict(
-            run_id=run_id, keep_last=keep_last, compression=compression,
+            run_id=run_id, compression=compression,
             max_inflight=max_inflight, on_busy=on_busy, host_budget_bytes=host_budget_bytes,
             debug_overlap=debug_overlap, agent=agent, storage_options=storage_options,
             own_storage=storage is None)
@@ -208,7 +221,7 @@ class Checkpointer:
         self._run_id = agree_run_id(self.rank, self.world_size, run_id)
         options = SaveOptions(
             rank=self.rank, world_size=self.world_size, run_id=self._run_id,
-            threads=self.threads, keep_last=kw["keep_last"], compression=kw["compression"],
+            threads=self.threads, retention=self._retention, compression=kw["compression"],
             max_inflight=kw["max_inflight"], on_busy=kw["on_busy"],
             host_budget_bytes=kw["host_budget_bytes"],
             debug_overlap=kw["debug_overlap"] or config.DEBUG_OVERLAP.get(),
@@ -393,8 +406,63 @@ class Checkpointer:
         return None if last is None else last.step
 
     def read_manifest(self, step: int) -> Manifest:
+        """Advanced: the decoded manifest of committed ``step``, ckptd's own record of the
+        format (chunks, files, codecs, attempts; ``docs/format.md``), for tools and tests.
+        Its shape follows the format and may change between versions: :meth:`metadata` is
+        the stable view."""
         self.open()
         return catalog.read_manifest(self.storage, step)
+
+    # ------------------------------------------------------------------ managing steps
+    def steps(self) -> list[int]:
+        """The committed steps under the root, ascending by number. (:meth:`latest_step` is
+        the newest in commit order, the last of these unless an older run's steps have
+        larger numbers.) Reads the manifests' first bytes only."""
+        return catalog.committed_steps(self.storage)
+
+    def metadata(self, step: int | None = None) -> catalog.StepMetadata:
+        """What committed ``step`` (default: the latest) holds — tensors, dtypes, global
+        shapes, the world that saved it, its ``training=`` metadata, its size — read from its
+        manifest alone, no tensor data. CheckpointNotFound if there is no such step."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFound(f"{self.url}: no committed checkpoint")
+        return catalog.step_metadata(self.storage, int(step))
+
+    def delete(self, step: int) -> bool:
+        """Remove committed ``step``; True if this call removed it, False if it was not
+        committed (already removed, by retention or another caller, or never saved: not an
+        error). The manifest goes first, then the files, as retention removes them: a load
+        of the step that is under way either completes or fails with CheckpointNotFound
+        ("removed while it was being read"), never with half its data. Refused
+        (CkptdError) for a step that a save of this Checkpointer has in flight, and on a
+        read-only Checkpointer. Every rank may call it; the first to get there removes it."""
+        self._check_open()
+        if self.read_only:
+            raise CkptdError(f"{self.url}: this Checkpointer is read-only (read_only=True): "
+                             f"it does not delete step {step}")
+        step = int(step)
+        if step in {h.step for h in self.inflight}:
+            raise CkptdError(f"{self.url}/{layout.step_dir(step)}: a save of step {step} is in "
+                             "flight; wait() for it before deleting the step")
+        return remove_step(self.storage, step)
+
+    @property
+    def retention(self) -> Retention | None:
+        """The retention policy rank 0 applies after each commit (None: every step is
+        kept): ``retention=``, or ``KeepLast(keep_last)``."""
+        return self._retention
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``, by the ``save_policy`` given (``ckptd.SaveEvery``): call
+        it at the same point on every rank (it may be a collective). False for the step this
+        Checkpointer last saved or loaded (a resumed loop does not save it again)."""
+        if self._save_policy is None:
+            raise CkptdError("should_save() needs a save policy: Checkpointer(..., "
+                             "save_policy=ckptd.SaveEvery(steps=100))")
+        due = self._save_policy.should_save(step)
+        return due and step != self._last_step
 
     def load(self, state: Any, *, step: int | None = None, strict: Strict = True,
              source: str | None = None, trust: bool = False) -> LoadResult:

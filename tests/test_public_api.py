@@ -31,6 +31,18 @@ API_NAMES = {
     "elastic",
     # docs/api.md: the library function `ckptd reshard` calls
     "reshard",
+    # docs/api.md, "Managing steps": list, inspect, delete; the policies
+    "steps",
+    "metadata",
+    "delete",
+    "should_save",
+    "StepMetadata",
+    "TensorMetadata",
+    "SaveEvery",
+    "KeepLast",
+    "KeepEvery",
+    "KeepBest",
+    "KeepAny",
 }
 
 

@@ -64,7 +64,8 @@ def test_loading_a_named_step_that_retention_removed_meanwhile_says_so(tmp_path)
     dst = {"w": torch.zeros(1 << 12)}
     with ckptd.Checkpointer(root, storage=storage, read_only=True) as reader:
         with pytest.raises(CheckpointNotFound, match=r"step-000000001: removed while it was "
-                                                     r"being read \(retention"):
+                                                     r"being read \(deleted, or rotated away "
+                                                     r"by retention"):
             reader.load(dst, step=1)
     assert torch.equal(dst["w"], torch.zeros(1 << 12))
     writer.close()

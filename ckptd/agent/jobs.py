@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from ckptd import policies
 from ckptd.errors import CkptdError
 from ckptd.manifest import TensorEntry, layout
 from ckptd.manifest import values as typed
 from ckptd.manifest.schema import dtype_from_name, dtype_name
+from ckptd.policies import KeepLast, Retention
 from ckptd.regions import Box
 from ckptd.sharding import LOCAL_PREFIX, Piece
 from ckptd.writer.files import Framing
@@ -56,7 +58,9 @@ def encode(job: SaveJob) -> dict[str, Any]:
         "framing": {"min_frame_bytes": framing.min_frame_bytes,
                     "frames_per_chunk": framing.frames_per_chunk},
         "commit": {"run_id": commit_.run_id, "generation": commit_.generation,
-                   "overwrite": commit_.overwrite, "keep_last": commit_.keep_last,
+                   "overwrite": commit_.overwrite, "keep_last": _keep_last(commit_.retention),
+                   "retention": (None if commit_.retention is None
+                                 else commit_.retention.to_json()),
                    "incarnation": commit_.incarnation, "timeout_s": commit_.timeout_s},
     }
 
@@ -109,8 +113,27 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
     timeout = c.get("timeout_s")
     return SaveJob(share, Round(plans, int(doc["nbytes"])), doc["codec"], int(doc["level"]),
                    framing, CommitParams(c["run_id"], int(c["generation"]), bool(c["overwrite"]),
-                                   int(c["keep_last"]), incarnation_of(c),
+                                   _retention(c), incarnation_of(c),
                                    None if timeout is None else float(timeout)))
+
+
+def _keep_last(policy: Retention | None) -> int:
+    """``keep_last`` for an agent that reads no ``retention`` (an older one): the policy's
+    ``n`` when it is KeepLast, else 0 (keep every step: never one the policy keeps)."""
+    return policy.n if isinstance(policy, KeepLast) else 0
+
+
+def _retention(commit_doc: dict[str, Any]) -> Retention | None:
+    """A job's retention: its ``retention`` policy, or (a trainer that sends none) its
+    ``keep_last``."""
+    if "retention" in commit_doc:
+        doc = commit_doc["retention"]
+        try:
+            return None if doc is None else policies.from_json(doc)
+        except (ValueError, TypeError) as e:
+            raise CkptdError(f"agent job: {e}") from None
+    keep_last = int(commit_doc["keep_last"])
+    return KeepLast(keep_last) if keep_last > 0 else None
 
 
 def _positive(value: Any, name: str) -> int:

@@ -134,6 +134,11 @@ def on_preemption(
     return _watch
 
 
+def installed() -> bool:
+    """Whether :func:`on_preemption`'s handler is installed."""
+    return _state.installed
+
+
 def uninstall() -> None:
     """Restore the previous SIGTERM handler and reset the preemption state (main thread)."""
     if threading.current_thread() is not threading.main_thread():
@@ -183,6 +188,22 @@ def preempted(*, every: int = 1, group: Any = None) -> bool:
     return _state.agreed
 
 
+def agree(flag: bool, *, group: Any = None) -> tuple[bool, bool]:
+    """:func:`preempted` and, in the same all-reduce, whether ``flag`` is True on any rank:
+    ``(preempted, any rank's flag)``, the same on every rank at the same call (a collective,
+    like :func:`preempted`; without ``torch.distributed``, this rank's own). For decisions
+    each rank takes from its own clock (``ckptd.SaveEvery(seconds=...)``)."""
+    channel = _channel(group)
+    if channel is None:
+        if _state.signal_time is not None:
+            _set_deadline(_state.signal_time + _state.grace_s)
+        return _state.agreed, flag
+    deadline = _all_reduce_deadline(channel, 1.0 if flag else 0.0)
+    if deadline is not None and not _state.agreed:
+        _set_deadline(deadline)
+    return _state.agreed, channel.flag_seen
+
+
 def _set_deadline(deadline: float) -> None:
     _state.deadline = deadline
     _state.agreed = True
@@ -215,6 +236,12 @@ class _Channel:
     group: Any  # the group the flag is all-reduced over (a gloo side group under pure NCCL)
     world_size: int
     buf: Any  # torch.Tensor: one float64 element, reused by every call
+    pair: Any  # torch.Tensor: two float64 elements, the same and agree()'s flag
+
+    @property
+    def flag_seen(self) -> bool:
+        """agree()'s flag of its last all-reduce: set on some rank."""
+        return bool(self.pair[1].item() > 0.0)
 
 
 _channels: dict[Any, _Channel] = {}  # process group object -> its channel
@@ -244,21 +271,26 @@ def _open_channel(group: Any) -> _Channel:
         # a bubble per micro-batch; a gloo side group keeps the flag on the CPU. new_group is
         # itself collective: every rank gets here at the same (first) preempted() call.
         comm = dist.new_group(backend="gloo")
-    return _Channel(comm, world_size, torch.zeros(1, dtype=torch.float64))
+    return _Channel(comm, world_size, torch.zeros(1, dtype=torch.float64),
+                    torch.zeros(2, dtype=torch.float64))
 
 
-def _all_reduce_deadline(channel: _Channel) -> float | None:
+def _all_reduce_deadline(channel: _Channel, flag: float | None = None) -> float | None:
+    """The agreed deadline; with ``flag`` (agree()), that too is all-reduced, in
+    ``channel.pair``."""
     import torch.distributed as dist
 
-    buf = channel.buf
+    buf = channel.buf if flag is None else channel.pair
     now = time.monotonic()
     if _state.signal_time is None:
-        buf.fill_(0.0)
+        buf[0] = 0.0
     else:
         remaining = _state.signal_time + _state.grace_s - now
-        buf.fill_(_OFFSET - min(remaining, _OFFSET / 2))  # an infinite grace stays > 0
+        buf[0] = _OFFSET - min(remaining, _OFFSET / 2)  # an infinite grace stays > 0
+    if flag is not None:
+        buf[1] = flag
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=channel.group)
-    value = float(buf.item())
+    value = float(buf[0].item())
     if value <= 0.0:
         return None
     return now + (_OFFSET - value)

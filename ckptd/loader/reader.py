@@ -1,10 +1,10 @@
 """Which checkpoint a load reads: a named step, the newest committed step, or another source
 through a plug-in; and what a step rotated away by retention under a reader means.
 
-Retention uncommits a step (removes its ``manifest.json``) before it deletes its files, so a
-reader that finds a data file missing and then the manifest gone knows the step was rotated
-away, not damaged: loading the newest step retries once; loading a named step says so
-(:class:`~ckptd.errors.CheckpointNotFound`), never "corrupt".
+Retention and ``Checkpointer.delete`` uncommit a step (remove its ``manifest.json``) before
+they delete its files, so a reader that finds a data file missing and then the manifest gone
+knows the step was removed, not damaged: loading the newest step retries once; loading a named
+step says so (:class:`~ckptd.errors.CheckpointNotFound`), never "corrupt".
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Reader:
             if self.rotated_away(step):
                 raise CheckpointNotFound(
                     f"{self.storage.url}/{layout.step_dir(step)}: removed while it was being read "
-                    "(retention keeps only the newest steps: load a newer one)"
+                    "(deleted, or rotated away by retention: load another step)"
                 ) from e
             raise
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptd.errors import CkptdError
+from ckptd.policies import Retention
 from ckptd.storage import Storage
 from ckptd.writer import commit, retention
 from ckptd.writer.files import ChunkList, Framing, gather
@@ -46,7 +47,7 @@ class CommitParams:
     run_id: str
     generation: int
     overwrite: bool
-    keep_last: int
+    retention: Retention | None  # what rank 0 keeps after its commit (None: every step)
     incarnation: str  # how the node agent tells restarts apart (SaveOptions.incarnation)
     timeout_s: float | None = None  # the saving process's commit_timeout_s (None: the runner's)
 
@@ -124,7 +125,7 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
             raise
         write_s = time.perf_counter() - t0
         if owed is not None:
-            owed.owe(storage, job.commit.keep_last)
+            owed.owe(storage, job.commit.retention)
     return Written(stored_bytes(chunks) if chunks else 0, write_s, chunks or [])
 
 

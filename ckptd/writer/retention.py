@@ -1,8 +1,13 @@
-"""Retention (``keep_last``) and garbage collection (``ckptd gc``).
+"""Retention, deleting a step, and garbage collection (``ckptd gc``).
 
-Retention removes whole committed steps beyond the newest ``keep_last`` in commit order
-(:mod:`ckptd.catalog`), never the newest. Garbage collection removes every attempt that
-no committed manifest names and that can never commit any more:
+Retention removes the whole committed steps that the root's policy (:mod:`ckptd.policies`;
+``keep_last=N`` is ``KeepLast(N)``) does not keep, never the newest in commit order
+(:mod:`ckptd.catalog`). It and ``Checkpointer.delete`` remove a step the same way,
+:func:`remove_step`: the manifest first, so that a reader never takes a half-removed step for
+a committed one (``ckptd.loader.reader``: a load that loses its files says the step was
+removed), then the files; removing a step twice, or one that another remover is removing, is
+not an error. Garbage collection removes every attempt that no committed manifest names and
+that can never commit any more:
 
 - an attempt with a FAILED marker or a rank's failure record;
 - an attempt of a run that no longer owns the root (``owner.json``): the commit refuses it, and
@@ -22,11 +27,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptd import config
-from ckptd.catalog import Owner, all_steps, committed, read_owner
+from ckptd.catalog import Committed, Owner, all_steps, committed, read_head, read_owner
+from ckptd.errors import CheckpointNotFound
 from ckptd.manifest import layout
+from ckptd.policies import Candidate, KeepLast, Retention
 from ckptd.storage import Storage
 from ckptd.storage.base import as_storage
 from ckptd.writer.commit import attempt_run
@@ -34,37 +43,82 @@ from ckptd.writer.commit import attempt_run
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Storage, keep_last: int) -> list[int]:
-    """Remove committed steps beyond the newest ``keep_last`` in commit order (never the
-    newest one, whatever the step numbers say)."""
+def remove_step(storage: Storage, step: int) -> bool:
+    """Remove committed ``step``: uncommit it (its manifest goes first: readers never see a
+    half-removed step as committed), then its files. False, and nothing touched, when it is
+    not committed: already removed or being removed by another caller (not an error), or a
+    save still in flight (its files are not ours to remove; ``ckptd gc`` judges those)."""
+    if not storage.exists(layout.manifest_path(step)):
+        return False
+    storage.remove(layout.manifest_path(step))
+    storage.remove(layout.step_dir(step))
+    return True
+
+
+Metrics = dict[tuple[int, str], Mapping[str, Any]]  # (step, attempt) -> its training metadata
+
+
+def apply_retention(storage: Storage, policy: Retention | int,
+                    known: Metrics | None = None) -> list[int]:
+    """Remove the committed steps ``policy`` does not keep (an int: ``KeepLast``), never the
+    newest one in commit order, whatever the step numbers say. A policy that reads metrics
+    reads them from the steps' manifests (``known``: those already read, by step and attempt,
+    updated here), so it decides the same after a restart."""
+    if isinstance(policy, int):
+        policy = KeepLast(max(1, policy))
     steps = committed(storage)
-    doomed = [c.step for c in steps[: max(0, len(steps) - max(1, keep_last))]]
+    if len(steps) <= 1:
+        return []
+    found = _candidates(storage, steps, policy, {} if known is None else known)
+    kept = policy.keep(found) | {steps[-1].step}
+    doomed = [c.step for c in steps if c.step not in kept]
     for s in doomed:
-        # uncommit first: readers never see a half-deleted step
-        storage.remove(layout.manifest_path(s))
-        storage.remove(layout.step_dir(s))
+        remove_step(storage, s)
     return doomed
+
+
+def _candidates(storage: Storage, steps: list[Committed], policy: Retention,
+                known: Metrics) -> list[Candidate]:
+    """``steps`` as the policy sees them: with their training metadata when it reads some
+    (each manifest's head read once: ``known``)."""
+    if not policy.metrics:
+        return [Candidate(c.step, {}) for c in steps]
+    out = []
+    for c in steps:
+        key = (c.step, c.attempt)
+        if key not in known:
+            try:
+                known[key] = read_head(storage, c.step).training
+            except CheckpointNotFound:  # removed meanwhile (Checkpointer.delete)
+                continue
+        out.append(Candidate(c.step, known[key]))
+    live = {(c.step, c.attempt) for c in steps}
+    for key in [k for k in known if k not in live]:
+        del known[key]
+    return out
 
 
 class Owed:
     """Retention owed after a commit, run off the commit's path: a thread of its own starts it
     as soon as the commit is written (:meth:`owe`), and the writer's next save waits for it
-    before its files (:meth:`settle`), so the disk holds no more than ``keep_last`` + 1 steps
-    while a save is written, as it always did; the writer's close waits for it too. Neither
-    the commit that owes it nor the handle of that save waits for it, and no failure of it
-    fails a save: it is logged, and the next commit owes it again."""
+    before its files (:meth:`settle`), so the disk holds no more than one step beyond what the
+    policy keeps while a save is written; the writer's close waits for it too. Neither the
+    commit that owes it nor the handle of that save waits for it, and no failure of it fails a
+    save: it is logged, and the next commit owes it again. The metrics a policy reads from the
+    manifests (``KeepBest``) are remembered between runs (``_known``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: threading.Thread | None = None
+        self._known: Metrics = {}  # only the one running retention touches it
 
-    def owe(self, storage: Storage, keep_last: int) -> None:
-        """After a commit: retention is due (``keep_last`` > 0); it starts now, in the
+    def owe(self, storage: Storage, policy: Retention | None) -> None:
+        """After a commit: retention is due (None: every step is kept); it starts now, in the
         background."""
-        if keep_last <= 0:
+        if policy is None:
             return
         self.settle()  # (one at a time: a commit owes it after the previous one was settled)
-        worker = threading.Thread(target=_retain, args=(storage, keep_last),
+        worker = threading.Thread(target=_retain, args=(storage, policy, self._known),
                                   name="ckptd-retention", daemon=True)
         with self._lock:
             self._running = worker
@@ -78,9 +132,9 @@ class Owed:
             worker.join()
 
 
-def _retain(storage: Storage, keep_last: int) -> None:
+def _retain(storage: Storage, policy: Retention, known: Metrics) -> None:
     try:
-        apply_retention(storage, keep_last)
+        apply_retention(storage, policy, known)
     except Exception as e:  # noqa: BLE001 - best effort: the step it follows is committed
         log.warning("ckptd: retention under %s failed: %s: %s", storage.url,
                     type(e).__name__, e)

@@ -36,6 +36,7 @@ from ckptd import config
 from ckptd.errors import CkptdError
 from ckptd.manifest import TensorEntry, codecs, layout
 from ckptd.manifest import values as typed
+from ckptd.policies import KeepLast, Retention
 from ckptd.sharding import Described
 from ckptd.storage import Storage
 from ckptd.writer import commit, exiting
@@ -58,7 +59,7 @@ class SaveOptions:
     rank: int
     world_size: int
     run_id: str
-    keep_last: int = 3
+    retention: Retention | None = KeepLast(3)  # None: every step is kept
     compression: str | None = None  # None, "zstd[:level]", "auto"
     threads: int = 4
     max_inflight: int = 1
@@ -220,7 +221,7 @@ class Saver:
     def _job(self, share: Share, rounds: list[Round], codec: str, overwrite: bool) -> SaveJob:
         opts = self.options
         return SaveJob(share, rounds[0], codec, self.level, Framing.current(),
-                       CommitParams(opts.run_id, self.generation, overwrite, opts.keep_last,
+                       CommitParams(opts.run_id, self.generation, overwrite, opts.retention,
                               opts.incarnation, config.get().commit_timeout_s),
                        nfiles=n_files(rounds))
 
