@@ -9,6 +9,7 @@ import re
 import shlex
 from pathlib import Path
 
+import multirank
 import pytest
 import torch
 
@@ -52,6 +53,55 @@ def test_from_pretrained_of_a_compiled_llama_export_is_bit_exact_with_no_missing
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert main(base + ["--config-from", str(tmp_path / "base")]) == 2  # not empty
     assert "--overwrite" in capsys.readouterr().err
+
+
+def _tiny_llama_config():  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=32, tie_word_embeddings=False)
+
+
+def _fsdp2_compiled_llama_save(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    """One training step of a torch.compile'd FSDP2 Llama on ``world`` gloo ranks, saved with
+    ckptd (the model and optimizer as they are); returns the full model state (rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_llama_config())
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(compiled.parameters())
+    compiled(torch.arange(8)[None]).logits.sum().backward()
+    opt.step()
+    with ckptd.Checkpointer(root, agent=False) as ck:
+        ck.save({"model": compiled, "optim": opt, "step": 1})
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def test_from_pretrained_of_a_compiled_fsdp2_llama_export_is_bit_exact(tmp_path, capsys):
+    """Saved on 2 FSDP2 ranks through torch.compile, exported with the config, loaded by
+    from_pretrained on one process: every tensor bit-exact, no missing or unexpected key."""
+    from transformers import LlamaForCausalLM
+
+    root = str(tmp_path / "root")
+    want = multirank.run(_fsdp2_compiled_llama_save, 2, root)[0]
+    _tiny_llama_config().save_pretrained(tmp_path / "base")
+    out = tmp_path / "hf"
+    assert main(["export", root, "--format", "safetensors", "--out", str(out),
+                 "--config-from", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    loaded, info = LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert (list(info["missing_keys"]), list(info["unexpected_keys"])) == ([], [])
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _hf_blocks() -> list[str]:
