@@ -450,8 +450,12 @@ def _hang_on_rank_zero(rank: int, world: int) -> int:
 def _die_on_rank_one(rank: int, world: int) -> int:
     import os
 
+    # rank 0 returns once rank 1 is past the process group's start: returning (and destroying
+    # the group) earlier could fail rank 1 inside init_process_group instead (seen under load)
     if rank == 1:
+        multirank.store().set("dying", "1")
         os._exit(3)
+    multirank.store().wait(["dying"])
     return rank
 
 
