@@ -1,14 +1,15 @@
 """Offline reshard at scale: ``ckptd reshard CKPT --to-world N --out DEST`` of an 8-rank
-FSDP2-shaped checkpoint (a small GPT, every parameter and its Adam moments sharded along dim 0)
+FSDP2-shaped checkpoint (a small GPT, every parameter and its Adam moments sharded along dim 0,
+and its Adam ``step``, a 0-d tensor replicated on every rank, as ``torch.optim.Adam`` keeps it)
 for N up to a thousand, with the inferred layout and with explicit ZeRO stages.
 
     python benchmarks/reshard.py [--worlds 8,256,1024] [--zero inferred,0,3] [--hidden 256]
 
 Each reshard runs as its own ``ckptd`` process (the command users run). Per row: wall time, the
-process's peak RSS, bytes written (the files under DEST) next to the source's bytes, and the
-floor: DEST's bytes at the write bandwidth measured in the same run (``common.write_floor``-style:
-one file, written and fsync'd). The target is wall ≤ floor + 10 s, peak RSS ≤ 256 MiB and bytes
-written ≤ 1.01 × the source's.
+process's peak RSS, bytes written (the files under DEST) next to the source's bytes, the floor:
+DEST's bytes at the write bandwidth measured in the same run (``common.write_floor``-style:
+one file, written and fsync'd), and DEST's manifest next to the source's. The target is wall ≤
+floor + 10 s, peak RSS ≤ 256 MiB and bytes written ≤ 1.01 × the source's.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def save_source(root: str, shapes: dict[str, tuple[int, ...]]) -> None:
     for r, c in enumerate(ranks):
         state = {"model": {n: shard(s, r, i) for i, (n, s) in enumerate(shapes.items())},
                  "optim": {"state": {n: {"exp_avg": shard(s, r, i + 1000),
-                                         "exp_avg_sq": shard(s, r, i + 2000)}
+                                         "exp_avg_sq": shard(s, r, i + 2000),
+                                         "step": torch.tensor(7.0)}
                                      for i, (n, s) in enumerate(shapes.items())}},
                  "step": 7}
         handles.append(c.save_async(state, step=7))
@@ -126,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         bw = write_bw(work, src_bytes)
         print(f"source: 8 ranks, {src_bytes / 2**20:.1f} MiB of data; write floor "
               f"{bw / 2**20:.0f} MiB/s\n")
-        print("| --to-world | layout | wall | floor + 10 s | peak RSS | bytes written / source |")
-        print("|---:|---|---:|---:|---:|---:|")
+        src_manifest = tree_bytes(src, "manifest.json")
+        print("| --to-world | layout | wall | floor + 10 s | peak RSS | bytes written / source "
+              "| manifest / source's |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
         for world in (int(x) for x in args.worlds.split(",")):
             for zero in args.zero.split(","):
                 dest = os.path.join(work, f"out-{world}-{zero}")
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                 written = tree_bytes(dest, ".bin")
                 print(f"| {world} | {'inferred' if zero == 'inferred' else 'ZeRO ' + zero} | "
                       f"{wall:.1f} s | {written / bw + 10:.1f} s | {rss / 2**20:.0f} MiB | "
-                      f"{written / src_bytes:.3f} |", flush=True)
+                      f"{written / src_bytes:.3f} | {tree_bytes(dest, 'manifest.json') / 2**20:.2f}"
+                      f" / {src_manifest / 2**20:.2f} MiB |", flush=True)
                 shutil.rmtree(dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -137,14 +137,15 @@ class Tunables:
     # faults of holding fresh memory (benchmarks/README.md) and keeps the load's memory at a
     # few read units.
     local_hold_bytes: int = 64 << 20
-    # Offline reshard: a replicated target piece of at most this many bytes is written into the
-    # files of every target rank that holds it (each rank then reads one contiguous range);
-    # larger ones are written once, by the holder with the fewest bytes so far. The extra
-    # copies together stay within ``replicate_max_share`` of the checkpoint's bytes (at 1024
-    # ranks, a 1 MiB norm written by each would be 1 GiB): the smallest boxes are replicated
-    # first, the rest written once.
+    # Offline reshard: a replicated target piece (a box several target ranks hold) is written
+    # once, as a save writes it: one chunk every holder reads; one of at most
+    # ``replicate_small_bytes`` by its first holder (a restart opens one more file for all of
+    # them), a larger one by the holder with the fewest bytes so far. ``replicate_max_share``
+    # > 0 writes the small ones into every holder's files instead (each rank then reads only its
+    # own files) while the extra copies together stay within that share of the checkpoint's
+    # bytes, smallest first: at 1024 ranks each 0-d Adam step would be 1,024 chunks.
     replicate_small_bytes: int = 1 << 20
-    replicate_max_share: float = 0.01
+    replicate_max_share: float = 0.0
 
 
 _current = Tunables()

@@ -212,7 +212,9 @@ def test_layout_command_writes_a_file_that_reshard_accepts(tmp_path: Any, capsys
     # small target ranks are read together, in waves: a wave's reads are shared out over its
     # ranks in proportion to their writes
     assert report["tp"] == 2 and sum(r["ranges"] for r in report["ranks"]) > 0
-    assert all(r["read_bytes"] >= r["write_bytes"] > 0 for r in report["ranks"])
+    # a box the DP replicas of a TP rank all hold is written once (by its first holder)
+    assert all(r["read_bytes"] >= r["write_bytes"] for r in report["ranks"])
+    assert sum(r["write_bytes"] > 0 for r in report["ranks"]) >= 2
 
 
 def test_the_example_in_docs_layouts_md_parses() -> None:

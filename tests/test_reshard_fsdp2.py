@@ -196,3 +196,97 @@ def test_a_wave_reads_the_hull_of_adjacent_slices_and_the_boxes_of_scattered_one
         assert p.box == t.box and np.array_equal(
             p.view.numpy(), full[t.box.within(Box((0, 0), (10, 4)))].numpy())
     assert regions.piece(empty).view.shape == (0, 4)
+
+
+def _with_replicated(state: dict) -> dict:
+    """The FSDP2 state plus small tensors every rank holds whole (a rotary table, a scale), as
+    its 0-d Adam ``step`` per parameter already is."""
+    state["buffers"] = {"freqs": torch.arange(48, dtype=torch.float32) / 7,
+                        "scale": torch.tensor([3.0, -1.5], dtype=torch.bfloat16)}
+    return state
+
+
+def _manifest_bytes(root: str) -> int:
+    return pathlib.Path(root, "step-000000007", "manifest.json").stat().st_size
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_a_replicated_tensor_is_written_once_whatever_the_target_world(tmp_path, world):
+    """Every target rank holds each 0-d Adam step and each replicated buffer whole: the
+    reshard writes each of them once (one chunk every target rank reads, as a save at that
+    world records it), so they add nothing that grows with the target world, and the result
+    loads bit-exact on target ranks (FSDP2's dim-0 layout has a chunk per target rank of each
+    sharded tensor, as a save at that world has)."""
+    full = _full()
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    ranks = [ckptd.Checkpointer(src, rank=r, world_size=W, run_id="fsdp") for r in range(W)]
+    for h in [c.save_async(_with_replicated(_state(full, r, W))) for r, c in enumerate(ranks)]:
+        h.result()
+    for c in ranks:
+        c.close()
+    ckptd.reshard(src, world, out=out, threads=2)
+    m = catalog.read_manifest(LocalStorage(out), 7)
+    replicated = [n for n in m.tensors if n.endswith("/step") or n.startswith("buffers/")]
+    assert len(replicated) == len(full) + 2
+    chunks = {n: len(m.tensors[n].chunks) for n in replicated}
+    assert chunks == dict.fromkeys(replicated, 1), chunks
+    for r in sorted({0, 1, world // 2, world - 1}):  # the target world's own sharding
+        dst = _with_replicated(_state({n: torch.zeros_like(t) for n, t in full.items()}, r,
+                                      world))
+        for n in full:
+            dst["optim"]["state"][n]["step"] = torch.tensor(0.0)
+        dst["buffers"] = {k: torch.zeros_like(v) for k, v in dst["buffers"].items()}
+        with ckptd.Checkpointer(out, rank=r, world_size=world, run_id="reader",
+                                read_only=True) as c:
+            c.load(dst)
+        want = _with_replicated(_state(full, r, world))
+        for n in full:
+            got_state, want_state = dst["optim"]["state"][n], want["optim"]["state"][n]
+            assert torch.equal(dst["model"][n].local, want["model"][n].local), (r, n)
+            assert torch.equal(got_state["exp_avg"].local, want_state["exp_avg"].local), (r, n)
+            assert torch.equal(got_state["step"], want_state["step"]), (r, n)
+        for k, v in want["buffers"].items():
+            assert dst["buffers"][k].dtype == v.dtype and torch.equal(dst["buffers"][k], v), k
+
+
+def _ddp_state(full: dict[str, torch.Tensor]) -> dict:
+    return _with_replicated({
+        "model": dict(full),
+        "optim": {"state": {n: {"exp_avg": t * 0.5, "exp_avg_sq": t * t,
+                                "step": torch.tensor(7.0)} for n, t in full.items()}},
+        "step": 7})
+
+
+def test_a_replicated_model_resharded_to_64_ranks_keeps_its_manifest_small(tmp_path):
+    """A data-parallel checkpoint (every tensor whole on every rank: the save wrote each
+    once) resharded for 64 ranks that each hold all of it: one chunk per tensor, a manifest
+    within 2x the source's, and each target rank loads it bit-exact."""
+    full = _full()
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    ranks = [ckptd.Checkpointer(src, rank=r, world_size=W, run_id="ddp") for r in range(W)]
+    for h in [c.save_async(_ddp_state(full)) for c in ranks]:
+        h.result()
+    for c in ranks:
+        c.close()
+    ckptd.reshard(src, 64, out=out, threads=2)
+    m = catalog.read_manifest(LocalStorage(out), 7)
+    chunks = {n: len(e.chunks) for n, e in m.tensors.items()}
+    assert chunks == dict.fromkeys(m.tensors, 1), chunks
+    assert _manifest_bytes(out) <= 2 * _manifest_bytes(src), (_manifest_bytes(out),
+                                                              _manifest_bytes(src))
+    want = _ddp_state(full)
+    for r in (0, 1, 63):
+        dst = _ddp_state({n: torch.zeros_like(t) for n, t in full.items()})
+        for n in full:
+            dst["optim"]["state"][n]["step"] = torch.tensor(0.0)
+        dst["buffers"] = {k: torch.zeros_like(v) for k, v in dst["buffers"].items()}
+        with ckptd.Checkpointer(out, rank=r, world_size=64, run_id="reader",
+                                read_only=True) as c:
+            c.load(dst)
+        for n in full:
+            assert torch.equal(dst["model"][n], want["model"][n]), (r, n)
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                got, exp = dst["optim"]["state"][n][k], want["optim"]["state"][n][k]
+                assert torch.equal(got, exp), (r, n, k)
+        for k, v in want["buffers"].items():
+            assert dst["buffers"][k].dtype == v.dtype and torch.equal(dst["buffers"][k], v), k

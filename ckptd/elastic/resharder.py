@@ -5,9 +5,12 @@ Which boxes each target rank holds comes from a layout (:mod:`ckptd.loader.targe
 model code. Each target rank's pieces are written into its own data files, back to back in
 (name, box) order, which is also the order its load reads them: a restart then reads one
 contiguous range per file instead of a slice of every saved chunk. A box held by several target
-ranks is written by each of them when it is small (``replicate_small_bytes``: norms, biases) and
-the extra copies stay within ``replicate_max_share`` (1 %) of the checkpoint's bytes; otherwise
-once, by the least-loaded holder. Bytes written are at most 1.01 x the checkpoint's.
+ranks is written once, as a save writes it (one chunk every holder reads, not one per target
+rank: Adam's 0-d ``step`` would be 1,024 chunks at ``--to-world 1024``): a small one
+(``replicate_small_bytes``) by its first holder, a larger one by the least-loaded holder. With
+``replicate_max_share`` > 0 the small ones are written by every holder while the extra copies
+stay within that share of the checkpoint's bytes. Bytes written are at most (1 + that share) x
+the checkpoint's.
 
 Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.elastic.waves`):
 the source regions of a run of consecutive ranks are read once, through the load planner
@@ -26,7 +29,8 @@ Durability and the commit: files are written without an fsync each and the direc
 walked once (``Storage.deferred_durability``), then flushed together before the commit (one
 ``syncfs`` on a local root). The target ranks' partial manifests are merged in this process and
 never written (their frame tables are): the commit merges them (coverage and agreement checks
-of ``manifest.merge``), keeps the per-rank copies of replicated boxes, carries the source's
+of ``manifest.merge``), keeps the per-rank copies of replicated boxes (when
+``replicate_max_share`` asked for them), carries the source's
 values, per-rank values and training metadata (re-planned for the new world,
 :mod:`ckptd.elastic.reshard`), and writes ``manifest.json`` atomically, then ``latest``. A
 reshard killed before its commit leaves only data files of an attempt no manifest names.
@@ -97,9 +101,13 @@ class RankReport:
 def split_writers(assignment: Assignment, replicate_small: int,
                   max_share: float | None = None) -> list[RankPlan]:
     """Who writes what: unique boxes by their holder; replicated ones (the same box on several
-    ranks) by every holder when small and while the extra copies stay within ``max_share`` of
-    the distinct bytes (smallest first), else once, by the holder with the fewest bytes so far.
-    So the bytes written are at most ``1 + max_share`` times the checkpoint's."""
+    ranks) once, as a save writes them (one chunk, which every holder reads): a small one
+    (``replicate_small``) by its first holder, so that a restart opens one more file for all of
+    them rather than one per tensor, a larger one by the holder with the fewest bytes so far.
+    With ``max_share`` > 0 (``replicate_max_share``, default 0), small ones are written by
+    every holder instead while the extra copies stay within ``max_share`` of the distinct bytes
+    (smallest first): each rank then reads only its own files. So the bytes written are at most
+    ``1 + max_share`` times the checkpoint's."""
     if max_share is None:
         max_share = config.get().replicate_max_share
     index: dict[tuple[str, Box], int] = {}  # (name, box) -> its number, in assignment order
@@ -122,11 +130,14 @@ def split_writers(assignment: Assignment, replicate_small: int,
                                                        target[i].box.offsets)):
         rs = holders[i]
         extra = (len(rs) - 1) * size[i]
-        if len(rs) == 1 or (size[i] <= replicate_small and extra <= room):
+        if len(rs) == 1 or (size[i] <= replicate_small and 0 < extra <= room):
             room -= extra
             for r in rs:
                 writes[r].append(i)
                 load[r] += size[i]
+        elif size[i] <= replicate_small:  # once, by the first holder
+            writes[rs[0]].append(i)
+            load[rs[0]] += size[i]
         else:
             shared.append(i)
     for i in sorted(shared, key=lambda i: (-size[i], target[i].name, target[i].box.offsets)):
@@ -299,7 +310,8 @@ class Resharder:
             assert files.cache is not None
             self.source_bytes_read = files.cache.fetched
         m = self.manifest
-        # every target rank's copy of a replicated box is kept: each reads its own
+        # with replicate_max_share > 0, every holder's copy of a small replicated box is kept:
+        # each reads its own
         out = commit.commit_partials(
             dest, [p for p in partials if p is not None], run_id, generation=generation,
             keep_copies=True, values=dict(m.values),
