@@ -30,7 +30,7 @@ OUT = ROOT / "docs" / "reference.md"
 # (module, heading): each module's ``__all__`` in this order
 MODULES = [
     ("ckptd", "The top level: `import ckptd`"),
-    # ("ckptd.data", "Data order: `ckptd.data`"),
+    ("ckptd.data", "Data order: `ckptd.data`"),
 ]
 
 _HEADER = re.compile(r"^(Args|Returns|Raises|Attributes|Example|Examples):\s*$")
