@@ -110,3 +110,10 @@ def test_docstring_sections_are_parsed():
                                                 "c": "all three."}
     assert doc.sections["Returns"] == "Something."
     assert doc.sections["Example"] == "x = 1\nif x:\n    print(x)"
+
+
+def test_the_docs_name_no_file_outside_the_repository():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for outside in ("../shared", "API.md"):
+            assert outside not in text, f"{page.name} names {outside!r}, outside the repository"
