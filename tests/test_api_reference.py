@@ -40,7 +40,7 @@ def test_the_reference_covers_every_public_name():
 
 
     documented = {e.qualname for e in ENTRIES}
-    for module in (ckptd, ckptd.data):
+    for module in (ckptd, ckptd.data, ckptd.elastic):
         for name in module.__all__:
             if name == "elastic":
                 continue
@@ -56,6 +56,7 @@ def test_the_reference_covers_every_public_name():
 def test_every_public_name_has_a_summary_and_an_example(entry):
     doc = entry.doc
     if entry.kind == "constant":
+        assert entry.qualname in apiref.CONSTANTS, f"{entry.qualname}: not described"
         return
     assert doc.text, f"{entry.qualname}: no docstring"
     assert doc.sections.get("Example", "").strip(), f"{entry.qualname}: no Example: section"

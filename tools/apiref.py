@@ -31,7 +31,15 @@ OUT = ROOT / "docs" / "reference.md"
 MODULES = [
     ("ckptd", "The top level: `import ckptd`"),
     ("ckptd.data", "Data order: `ckptd.data`"),
+    ("ckptd.elastic", "Elastic runs and the batch planner: `ckptd.elastic`"),
 ]
+
+# a constant has no docstring: its entry says what it means
+CONSTANTS = {
+    "ckptd.elastic.EXIT_RESTART": "The exit code (75, `EX_TEMPFAIL`) of a worker that stops so "
+                                  "that the launcher restarts the job: a peer was preempted, "
+                                  "or the world changes.",
+}
 
 _HEADER = re.compile(r"^(Args|Returns|Raises|Attributes|Example|Examples):\s*$")
 _NAME = r"\*{0,2}[A-Za-z_]\w*"
@@ -222,6 +230,7 @@ def render_entry(entry: Entry) -> list[str]:
     depth = "###" if entry.top else "####"
     if entry.kind == "constant":
         head = f"{depth} `{entry.qualname}` = `{entry.obj!r}`"
+        return [head, "", CONSTANTS[entry.qualname], ""]
     elif entry.kind == "property":
         head = f"{depth} `{entry.qualname}` (property)"
     elif entry.kind == "method":
@@ -237,11 +246,11 @@ def render_entry(entry: Entry) -> list[str]:
     out = [head, ""]
     if doc.text:
         out += [markdown(doc.text), ""]
-    for section in ("Args", "Attributes", "Raises"):
-        if section in doc.sections:
+    for section in ("Args", "Attributes", "Returns", "Raises"):
+        if section == "Returns" and section in doc.sections:
+            out += _section(section, " ".join(doc.sections[section].split()))
+        elif section in doc.sections:
             out += _section(section, _entry_list(doc, section))
-    if "Returns" in doc.sections:
-        out += _section("Returns", " ".join(doc.sections["Returns"].split()))
     if "Example" in doc.sections:
         out += ["**Example**", "", "```python", doc.sections["Example"], "```", ""]
     return out
