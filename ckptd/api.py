@@ -290,20 +290,104 @@ def load(
 
 
 def steps() -> list[int]:
-    """The committed steps under the root, ascending."""
+    """The committed steps under the default Checkpointer's root, ascending
+    (:meth:`Checkpointer.steps <ckptd.Checkpointer.steps>`).
+
+    Returns:
+        The step numbers, ascending.
+
+    Raises:
+        CkptdError: no ``ckptd.init`` before.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        ckptd.init(tempfile.mkdtemp(), keep_last=0)
+        for step in (4, 2, 8):
+            ckptd.save({"w": torch.ones(2)}, step=step)
+        assert ckptd.steps() == [2, 4, 8]
+        ckptd.close()
+    """
     return _get().steps()
 
 
 def metadata(step: int | None = None) -> StepMetadata:
-    """What committed ``step`` (default: the latest) holds, from its manifest alone."""
+    """What committed ``step`` (default: the latest) holds, from its manifest alone
+    (:meth:`Checkpointer.metadata <ckptd.Checkpointer.metadata>`).
+
+    Args:
+        step: a committed step; None: the latest.
+
+    Returns:
+        A read-only :class:`~ckptd.StepMetadata`.
+
+    Raises:
+        CkptdError: no ``ckptd.init`` before.
+        CheckpointNotFound: there is no such step.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        ckptd.init(tempfile.mkdtemp())
+        ckptd.save({"w": torch.zeros(3, dtype=torch.bfloat16)}, step=1)
+        assert ckptd.metadata().tensors["w"].dtype == torch.bfloat16
+        ckptd.close()
+    """
     return _get().metadata(step)
 
 
 def delete(step: int) -> bool:
-    """Remove committed ``step``; False if it was not committed (see Checkpointer.delete)."""
+    """Remove committed ``step`` with the default Checkpointer
+    (:meth:`Checkpointer.delete <ckptd.Checkpointer.delete>`).
+
+    Args:
+        step: the step to remove.
+
+    Returns:
+        True if this call removed it, False if it was not committed.
+
+    Raises:
+        CkptdError: no ``ckptd.init`` before, or a save of ``step`` is in flight.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        ckptd.init(tempfile.mkdtemp(), keep_last=0)
+        ckptd.save({"w": torch.ones(2)}, step=1)
+        ckptd.save({"w": torch.ones(2)}, step=2)
+        assert ckptd.delete(1) and ckptd.steps() == [2]
+        ckptd.close()
+    """
     return _get().delete(step)
 
 
 def should_save(step: int) -> bool:
-    """Whether to save ``step``, by the default Checkpointer's ``save_policy``."""
+    """Whether to save ``step``, by the default Checkpointer's ``save_policy``
+    (:meth:`Checkpointer.should_save <ckptd.Checkpointer.should_save>`).
+
+    Args:
+        step: the step the loop is at.
+
+    Returns:
+        Whether to save it.
+
+    Raises:
+        CkptdError: no ``ckptd.init`` before, or no ``save_policy``.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        ckptd.init(tempfile.mkdtemp(), save_policy=ckptd.SaveEvery(steps=5, on_preemption=False))
+        saved = [step for step in range(1, 16) if ckptd.should_save(step)]
+        assert saved == [5, 10, 15]
+        ckptd.close()
+    """
     return _get().should_save(step)

@@ -594,13 +594,48 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """The committed steps under the root, ascending by number. (:meth:`latest_step` is
         the newest in commit order, the last of these unless an older run's steps have
-        larger numbers.) Reads the manifests' first bytes only."""
+        larger numbers.) Reads the manifests' first bytes only.
+
+        Returns:
+            The step numbers, ascending.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp(), keep_last=0) as ckpt:
+                for step in (5, 10, 15):
+                    ckpt.save({"w": torch.ones(2)}, step=step)
+                assert ckpt.steps() == [5, 10, 15]
+        """
         return catalog.committed_steps(self.storage)
 
     def metadata(self, step: int | None = None) -> catalog.StepMetadata:
         """What committed ``step`` (default: the latest) holds — tensors, dtypes, global
         shapes, the world that saved it, its ``training=`` metadata, its size — read from its
-        manifest alone, no tensor data. CheckpointNotFound if there is no such step."""
+        manifest alone, no tensor data.
+
+        Args:
+            step: a committed step; None: the latest.
+
+        Returns:
+            A read-only :class:`~ckptd.StepMetadata`.
+
+        Raises:
+            CheckpointNotFound: there is no such step (or none at all).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                ckpt.save({"model": {"w": torch.zeros(4, 2)}}, step=3, training={"loss": 0.5})
+                meta = ckpt.metadata(3)
+            assert meta.tensors["model/w"].shape == (4, 2) and meta.world_size == 1
+            assert meta.training["loss"] == 0.5
+        """
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -614,7 +649,30 @@ class Checkpointer:
         of the step that is under way either completes or fails with CheckpointNotFound
         ("removed while it was being read"), never with half its data. Refused
         (CkptdError) for a step that a save of this Checkpointer has in flight, and on a
-        read-only Checkpointer. Every rank may call it; the first to get there removes it."""
+        read-only Checkpointer. Every rank may call it; the first to get there removes it.
+
+        Args:
+            step: the step to remove.
+
+        Returns:
+            True if this call removed it, False if it was not committed.
+
+        Raises:
+            CkptdError: a save of ``step`` is in flight here, or the Checkpointer is
+                read-only or closed.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp(), keep_last=0) as ckpt:
+                ckpt.save({"w": torch.ones(2)}, step=1)
+                ckpt.save({"w": torch.ones(2)}, step=2)
+                assert ckpt.delete(1) is True
+                assert ckpt.delete(1) is False  # already gone: not an error
+                assert ckpt.steps() == [2]
+        """
         self._check_open()
         if self.read_only:
             raise CkptdError(f"{self.url}: this Checkpointer is read-only (read_only=True): "
@@ -634,7 +692,30 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether to save ``step``, by the ``save_policy`` given (``ckptd.SaveEvery``): call
         it at the same point on every rank (it may be a collective). False for the step this
-        Checkpointer last saved or loaded (a resumed loop does not save it again)."""
+        Checkpointer last saved or loaded (a resumed loop does not save it again).
+
+        Args:
+            step: the step the loop is at.
+
+        Returns:
+            Whether to save it.
+
+        Raises:
+            CkptdError: the Checkpointer has no ``save_policy``.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            policy = ckptd.SaveEvery(steps=10, on_preemption=False)
+            with ckptd.Checkpointer(tempfile.mkdtemp(), save_policy=policy) as ckpt:
+                for step in range(1, 31):
+                    if ckpt.should_save(step):
+                        ckpt.save_async({"w": torch.ones(2)}, step=step)
+                ckpt.wait()
+                assert ckpt.steps() == [10, 20, 30]
+        """
         if self._save_policy is None:
             raise CkptdError("should_save() needs a save policy: Checkpointer(..., "
                              "save_policy=ckptd.SaveEvery(steps=100))")

@@ -154,10 +154,9 @@ class Entry:
 
     @property
     def doc(self) -> Doc:
-        target = self.obj.fget if isinstance(self.obj, property) else self.obj
         if self.kind == "constant":
             return Doc("", {})
-        return parse(inspect.getdoc(target))
+        return parse(inspect.getdoc(self.obj))
 
 
 def _members(cls: type) -> Iterator[tuple[str, Any]]:
@@ -172,6 +171,12 @@ def _members(cls: type) -> Iterator[tuple[str, Any]]:
                 continue
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
+            if isinstance(value, property) and not value.__doc__:
+                # an override without a docstring says what the base class's says
+                doc = next((base.__dict__[name].__doc__ for base in cls.__mro__
+                            if isinstance(base.__dict__.get(name), property)
+                            and base.__dict__[name].__doc__), None)
+                value = property(value.fget, doc=doc)
             if isinstance(value, property) or inspect.isfunction(value):
                 seen.add(name)
                 yield name, value
