@@ -50,6 +50,10 @@ def test_the_reference_covers_every_public_name():
     for member in ("result", "exception", "wait_staged", "wait_safe", "phase"):
         assert f"ckptd.SaveHandle.{member}" in documented
     assert "ckptd.LoadResult.nbytes_from_storage" in documented
+    page = apiref.render()  # each module's names under its own heading
+    assert page.index("## The top level") < page.index("ckptd.save(") < page.index("## Data")
+    assert page.index("## Data") < page.index("class ckptd.data.GlobalOrder") < page.index(
+        "## Elastic") < page.index("ckptd.elastic.resume(")
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.top], ids=lambda e: e.qualname)

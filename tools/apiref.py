@@ -151,6 +151,7 @@ class Entry:
     obj: Any
     kind: str  # "function", "class", "method", "property", "constant"
     top: bool  # a module's public name (it needs an example); else a class member
+    module: str  # the module whose ``__all__`` names it (or its class)
 
     @property
     def doc(self) -> Doc:
@@ -192,16 +193,16 @@ def entries() -> list[Entry]:
             if inspect.ismodule(obj):
                 continue
             if inspect.isclass(obj):
-                out.append(Entry(qual, obj, "class", True))
+                out.append(Entry(qual, obj, "class", True, module_name))
                 if issubclass(obj, BaseException):
                     continue
                 for member, value in _members(obj):
                     kind = "property" if isinstance(value, property) else "method"
-                    out.append(Entry(f"{qual}.{member}", value, kind, False))
+                    out.append(Entry(f"{qual}.{member}", value, kind, False, module_name))
             elif callable(obj):
-                out.append(Entry(qual, obj, "function", True))
+                out.append(Entry(qual, obj, "function", True, module_name))
             else:
-                out.append(Entry(qual, obj, "constant", True))
+                out.append(Entry(qual, obj, "constant", True, module_name))
     return out
 
 
@@ -274,12 +275,11 @@ def render() -> str:
     ]
     by_module: dict[str, list[Entry]] = {}
     for entry in entries():
-        module = next(m for m, _ in MODULES if entry.qualname.startswith(m + ".")
-                      and "." not in entry.qualname[len(m) + 1:].split(".")[0])
-        by_module.setdefault(module, []).append(entry)
+        by_module.setdefault(entry.module, []).append(entry)
     for module_name, heading in MODULES:
-        out += [f"## {heading}", ""]
-        for entry in by_module.get(module_name, []):
+        names = [e.qualname[len(module_name) + 1:] for e in by_module[module_name] if e.top]
+        out += [f"## {heading}", "", ", ".join(f"`{n}`" for n in names), ""]
+        for entry in by_module[module_name]:
             out += render_entry(entry)
     return "\n".join(out).rstrip() + "\n"
 
