@@ -119,8 +119,9 @@ class Checkpointer:
     agent joined, the root claimed) by the first call that needs it.
 
     Raises:
-        ValueError: a setting is invalid (a bad ``compression`` or ``on_busy`` is reported
-            when the root is opened).
+        ValueError: both ``keep_last`` and ``retention`` given, or a bad ``keep_last`` (here);
+            a bad ``compression`` or ``on_busy`` (when the root is opened).
+        TypeError: a ``retention`` or ``save_policy`` that is not a policy.
 
     Example:
         import tempfile
