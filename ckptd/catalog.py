@@ -117,7 +117,23 @@ def read_head(storage: Storage, step: int) -> Head:
 @dataclass(frozen=True)
 class TensorMetadata:
     """A saved tensor as :class:`StepMetadata` shows it: its dtype and global shape (whatever
-    the sharding it was saved with)."""
+    the sharding it was saved with).
+
+    Attributes:
+        dtype_name: the dtype's name in the format: ``"float32"``, ``"bfloat16"``, ...
+        shape: the global shape.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"w": torch.zeros(8, 4)}, step=1)
+            w = ckpt.metadata(1).tensors["w"]
+        assert (w.dtype_name, w.shape, w.dtype, w.nbytes) == ("float32", (8, 4),
+                                                             torch.float32, 128)
+    """
 
     dtype_name: str  #: the dtype's name in the format: ``"float32"``, ``"bfloat16"``, ...
     shape: tuple[int, ...]  #: the global shape
@@ -143,7 +159,31 @@ class StepMetadata:
     ``world_size``: the number of ranks that saved it; ``training``: the ``training=`` dict of
     its save (lists as tuples); ``nbytes``: the bytes of its tensor data before compression
     (each stored chunk once); ``created``: when its last rank finished writing (``time.time()``
-    seconds), the moment just before the commit."""
+    seconds), the moment just before the commit.
+
+    Attributes:
+        step: the step number.
+        url: the step's directory.
+        world_size: the number of ranks that saved it.
+        tensors: name -> :class:`TensorMetadata`.
+        training: the ``training=`` dict of its save.
+        nbytes: its tensor bytes before compression.
+        created: when its last rank finished writing.
+
+    Example:
+        import tempfile
+        import time
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"w": torch.zeros(4), "b": torch.zeros(2)}, step=7,
+                      training={"epoch": 1})
+            meta = ckpt.metadata()
+        assert meta.step == 7 and sorted(meta.tensors) == ["b", "w"]
+        assert meta.nbytes == 24 and meta.training == {"epoch": 1}
+        assert meta.created <= time.time()
+    """
 
     step: int
     url: str  #: the step's directory

@@ -118,8 +118,22 @@ class Checkpointer:
     Constructing does no I/O: the root is opened (:meth:`open`: the run id agreed, the node
     agent joined, the root claimed) by the first call that needs it.
 
-    >>> ckpt = Checkpointer("/tmp/ckpts")                       # doctest: +SKIP
-    >>> ckpt.save({"model": model.state_dict(), "step": 10})   # doctest: +SKIP
+    Raises:
+        ValueError: both ``keep_last`` and ``retention`` given, or a bad ``keep_last`` (here);
+            a bad ``compression`` or ``on_busy`` (when the root is opened).
+        TypeError: a ``retention`` or ``save_policy`` that is not a policy.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        model = torch.nn.Linear(4, 2)
+        with ckptd.Checkpointer(tempfile.mkdtemp(), keep_last=2) as ckpt:
+            ckpt.save({"model": model, "step": 10})
+            fresh = torch.nn.Linear(4, 2)
+            assert ckpt.load({"model": fresh}).step == 10
+        assert torch.equal(fresh.weight, model.weight)
     """
 
     def __init__(
@@ -197,7 +211,23 @@ class Checkpointer:
         of its sequence of collectives. When the first call differs between ranks, or only
         some ranks make it (``if rank == 0: ckpt.latest_step()``), call ``open()`` on every
         rank first. Safe to call from several threads. An open that failed raises its error
-        again on every later use."""
+        again on every later use.
+
+        Returns:
+            This Checkpointer.
+
+        Raises:
+            CkptdError: the Checkpointer is closed, or an earlier open failed.
+            ForeignWriter: the root could not be claimed.
+
+        Example:
+            import tempfile
+            import ckptd
+
+            ckpt = ckptd.Checkpointer(tempfile.mkdtemp()).open()
+            assert ckpt.latest_step() is None
+            ckpt.close()
+        """
         with self._open_lock:
             if self._open_error is not None:
                 raise CkptdError(f"{self.url}: this Checkpointer could not open its root: "
@@ -266,6 +296,14 @@ class Checkpointer:
 
     @staticmethod
     def threads_for(threads: int | None) -> int:
+        """The I/O thread count a ``threads=`` value means.
+
+        Args:
+            threads: the value given; None or 0: ``$CKPTD_IO_THREADS``, else min(4, cores).
+
+        Returns:
+            The number of threads.
+        """
         return threads or config.io_threads()
 
     # ------------------------------------------------------------------ saving
@@ -293,8 +331,41 @@ class Checkpointer:
         With ``max_inflight`` saves still in flight it first waits for the oldest to finish
         (``on_busy="block"``: the first such wait is logged with the remedies, each one is
         ``handle.waited_s`` and ``SaveResult.waited_s``) or returns a skipped handle
-        (``on_busy="skip"``). Returns a :class:`SaveHandle`, a
-        ``concurrent.futures.Future`` of the :class:`SaveResult`.
+        (``on_busy="skip"``).
+
+        Args:
+            state: the state tree: nested dicts/lists of tensors (plain, DTensor,
+                :class:`~ckptd.Shard`, :class:`~ckptd.FlatShard`, :class:`~ckptd.Fused`,
+                :class:`~ckptd.Local`), JSON values, and objects with ``state_dict()`` and
+                ``load_state_dict()`` (a model, an optimizer, an LR scheduler).
+            step: the step number; None: ``state["step"]`` if it is an int, else the step
+                after the last one saved or loaded here (or after the newest committed one).
+            overlap: return before staging; call ``handle.wait_staged()`` before modifying
+                the state.
+            training: JSON metadata stored with the step (``LoadResult.training``).
+            urgent: write this step uncompressed (the preemption save).
+            overwrite: replace the step if it is already committed.
+
+        Returns:
+            A :class:`SaveHandle`, a ``concurrent.futures.Future`` of the :class:`SaveResult`.
+
+        Raises:
+            CkptdError: a read-only or closed Checkpointer; the step already committed
+                (raised by the handle, without ``overwrite``); or an earlier save's
+                background error, raised once.
+            StateMismatch: the state tree is not one ckptd can save (a bad leaf, a name
+                clash), naming the entry.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                w = torch.ones(4)
+                handle = ckpt.save_async({"w": w}, step=1, training={"loss": 0.25})
+                w.add_(1)  # staged already: the save keeps the ones
+                assert handle.result().step == 1
         """
         started = time.perf_counter()
         saver = self._writer()
@@ -308,7 +379,8 @@ class Checkpointer:
 
     @property
     def pool(self) -> StagingPool:
-        """The staging memory of this rank's saves."""
+        """The staging memory of this rank's saves (opens the root; refused on a read-only
+        Checkpointer)."""
         return self._writer().pool
 
     def _writer(self) -> Saver:
@@ -320,8 +392,27 @@ class Checkpointer:
 
     def reserve(self, state: Any) -> int:
         """Allocate (and fault in) the staging memory ``state`` will need, ahead of the first
-        save, so that save's stall is one copy rather than one copy plus page faults. Returns
-        the bytes reserved."""
+        save, so that save's stall is one copy rather than one copy plus page faults.
+
+        Args:
+            state: a state tree as :meth:`save_async` takes it (only shapes and dtypes count).
+
+        Returns:
+            The bytes reserved.
+
+        Raises:
+            CkptdError: a read-only or closed Checkpointer.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                state = {"w": torch.zeros(1024)}
+                assert ckpt.reserve(state) >= 4096
+                ckpt.save(state, step=1)
+        """
         tree = stateful.unfold(state).tree
         return self._writer().reserve(describe(tree, self.rank, self.world_size))
 
@@ -334,7 +425,39 @@ class Checkpointer:
         urgent: bool = False,
         overwrite: bool = False,
     ) -> SaveResult:
-        """``save_async(...).result()``: returns once committed on every rank."""
+        """Save ``state`` and return once the step is committed on every rank:
+        ``save_async(...).result()``.
+
+        Args:
+            state: the state tree (see :meth:`save_async`).
+            step: the step number; None: as :meth:`save_async` chooses it.
+            training: JSON metadata stored with the step.
+            urgent: write this step uncompressed (the preemption save).
+            overwrite: replace the step if it is already committed.
+
+        Returns:
+            This rank's :class:`SaveResult`.
+
+        Raises:
+            CkptdError: a read-only or closed Checkpointer, the step already committed
+                (without ``overwrite``), or the save failed (its error's class kept:
+                :class:`~ckptd.StorageError`, ...).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                ckpt.save({"w": torch.ones(2)}, step=1)
+                try:
+                    ckpt.save({"w": torch.zeros(2)}, step=1)
+                except ckptd.CkptdError as e:
+                    assert "already committed" in str(e)
+                else:
+                    raise AssertionError("no error")
+                ckpt.save({"w": torch.zeros(2)}, step=1, overwrite=True)
+        """
         return self.save_async(state, step=step, training=training, urgent=urgent,
                                overwrite=overwrite).result()
 
@@ -366,12 +489,42 @@ class Checkpointer:
         return self._saver is not None and self._saver.executor.hands_off
 
     def wait(self) -> None:
-        """Block until every in-flight save is committed; raise the first background error."""
+        """Block until every in-flight save of this rank is committed.
+
+        Raises:
+            CkptdError: the first background error of a save not yet reported (raised once;
+                its class kept).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                ckpt.save_async({"w": torch.ones(2)}, step=1)
+                ckpt.wait()
+                assert ckpt.inflight == ()
+        """
         if self._saver is not None:
             self._saver.wait()
 
     def close(self) -> None:
-        """Drain in-flight saves, stop the threads; raises a pending background error."""
+        """Drain in-flight saves and stop the threads; idempotent. ``with Checkpointer(...)``
+        calls it on exit.
+
+        Raises:
+            CkptdError: a pending background error of a save (raised once).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+            ckpt.save_async({"w": torch.ones(2)}, step=1)
+            ckpt.close()  # step 1 is committed before it returns
+            ckpt.close()
+        """
         with self._open_lock:  # an open under way finishes first; none starts after this
             if self._closed:
                 return
@@ -400,7 +553,21 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """Newest committed step under the root, in commit order (``docs/format.md``): a newer
         owner's steps win over an older owner's whatever their numbers. Never commits
-        anything."""
+        anything.
+
+        Returns:
+            The step number, or None when there is no committed step.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                assert ckpt.latest_step() is None
+                ckpt.save({"w": torch.ones(2)}, step=3)
+                assert ckpt.latest_step() == 3
+        """
         self.open()
         last = catalog.newest(self.storage)
         return None if last is None else last.step
@@ -409,7 +576,18 @@ class Checkpointer:
         """Advanced: the decoded manifest of committed ``step``, ckptd's own record of the
         format (chunks, files, codecs, attempts; ``docs/format.md``), for tools and tests.
         Its shape follows the format and may change between versions: :meth:`metadata` is
-        the stable view."""
+        the stable view.
+
+        Args:
+            step: a committed step.
+
+        Returns:
+            The step's ``Manifest``.
+
+        Raises:
+            CheckpointNotFound: the step is not committed.
+            CorruptCheckpoint: its manifest is damaged.
+        """
         self.open()
         return catalog.read_manifest(self.storage, step)
 
@@ -417,13 +595,48 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """The committed steps under the root, ascending by number. (:meth:`latest_step` is
         the newest in commit order, the last of these unless an older run's steps have
-        larger numbers.) Reads the manifests' first bytes only."""
+        larger numbers.) Reads the manifests' first bytes only.
+
+        Returns:
+            The step numbers, ascending.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp(), keep_last=0) as ckpt:
+                for step in (5, 10, 15):
+                    ckpt.save({"w": torch.ones(2)}, step=step)
+                assert ckpt.steps() == [5, 10, 15]
+        """
         return catalog.committed_steps(self.storage)
 
     def metadata(self, step: int | None = None) -> catalog.StepMetadata:
         """What committed ``step`` (default: the latest) holds — tensors, dtypes, global
         shapes, the world that saved it, its ``training=`` metadata, its size — read from its
-        manifest alone, no tensor data. CheckpointNotFound if there is no such step."""
+        manifest alone, no tensor data.
+
+        Args:
+            step: a committed step; None: the latest.
+
+        Returns:
+            A read-only :class:`~ckptd.StepMetadata`.
+
+        Raises:
+            CheckpointNotFound: there is no such step (or none at all).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                ckpt.save({"model": {"w": torch.zeros(4, 2)}}, step=3, training={"loss": 0.5})
+                meta = ckpt.metadata(3)
+            assert meta.tensors["model/w"].shape == (4, 2) and meta.world_size == 1
+            assert meta.training["loss"] == 0.5
+        """
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -437,7 +650,30 @@ class Checkpointer:
         of the step that is under way either completes or fails with CheckpointNotFound
         ("removed while it was being read"), never with half its data. Refused
         (CkptdError) for a step that a save of this Checkpointer has in flight, and on a
-        read-only Checkpointer. Every rank may call it; the first to get there removes it."""
+        read-only Checkpointer. Every rank may call it; the first to get there removes it.
+
+        Args:
+            step: the step to remove.
+
+        Returns:
+            True if this call removed it, False if it was not committed.
+
+        Raises:
+            CkptdError: a save of ``step`` is in flight here, or the Checkpointer is
+                read-only or closed.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp(), keep_last=0) as ckpt:
+                ckpt.save({"w": torch.ones(2)}, step=1)
+                ckpt.save({"w": torch.ones(2)}, step=2)
+                assert ckpt.delete(1) is True
+                assert ckpt.delete(1) is False  # already gone: not an error
+                assert ckpt.steps() == [2]
+        """
         self._check_open()
         if self.read_only:
             raise CkptdError(f"{self.url}: this Checkpointer is read-only (read_only=True): "
@@ -457,7 +693,30 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether to save ``step``, by the ``save_policy`` given (``ckptd.SaveEvery``): call
         it at the same point on every rank (it may be a collective). False for the step this
-        Checkpointer last saved or loaded (a resumed loop does not save it again)."""
+        Checkpointer last saved or loaded (a resumed loop does not save it again).
+
+        Args:
+            step: the step the loop is at.
+
+        Returns:
+            Whether to save it.
+
+        Raises:
+            CkptdError: the Checkpointer has no ``save_policy``.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            policy = ckptd.SaveEvery(steps=10, on_preemption=False)
+            with ckptd.Checkpointer(tempfile.mkdtemp(), save_policy=policy) as ckpt:
+                for step in range(1, 31):
+                    if ckpt.should_save(step):
+                        ckpt.save_async({"w": torch.ones(2)}, step=step)
+                ckpt.wait()
+                assert ckpt.steps() == [10, 20, 30]
+        """
         if self._save_policy is None:
             raise CkptdError("should_save() needs a save policy: Checkpointer(..., "
                              "save_policy=ckptd.SaveEvery(steps=100))")
@@ -481,7 +740,46 @@ class Checkpointer:
 
         A model, an optimizer beside it, an LR scheduler or any object with ``state_dict()``
         and ``load_state_dict()`` in ``state`` gets its loaded state once the whole load
-        succeeded (``ckptd.stateful``); a failed load leaves them as they were."""
+        succeeded (``ckptd.stateful``); a failed load leaves them as they were.
+
+        Args:
+            state: the destination tree, filled in place: tensors (any layout; each gets
+                its own part of the saved values), JSON values, stateful objects.
+            step: the step to load; None: the newest committed one.
+            strict: ``True``, ``"exact"`` or ``False``, as above.
+            source: another checkpoint to load from (a torch.distributed.checkpoint
+                directory); None: this root.
+            trust: allow reading ``source``'s pickled metadata.
+
+        Returns:
+            A :class:`LoadResult`: the step, its URL, the bytes read, its ``training``
+            metadata.
+
+        Raises:
+            CheckpointNotFound: no committed step (or not the one named; also when it was
+                deleted while being read).
+            StateMismatch: a key is missing or a shape or dtype differs; nothing was modified.
+            CorruptCheckpoint: a file of the step is damaged or tampered with.
+            StorageError: the storage refused a read.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                ckpt.save({"model": {"w": torch.ones(3)}, "optim": {"m": torch.ones(3)}},
+                          step=2)
+                evaluation = {"model": {"w": torch.zeros(3)}}  # the optimizer is not asked for
+                assert ckpt.load(evaluation).step == 2
+                assert torch.equal(evaluation["model"]["w"], torch.ones(3))
+                try:
+                    ckpt.load({"model": {"w": torch.zeros(5)}})
+                except ckptd.StateMismatch as e:
+                    assert "model/w" in str(e)
+                else:
+                    raise AssertionError("no error")
+        """
         self._check_open()
         self.open()
         unfolded = stateful.unfold(state, loading=True)

@@ -36,11 +36,20 @@ class Candidate:
 
 
 class Retention(ABC):
-    """A retention policy (see the module docstring). Subclasses are frozen dataclasses."""
+    """A retention policy (see the module docstring). Subclasses are frozen dataclasses;
+    ``a | b`` is :class:`KeepAny` ``(a, b)``."""
 
     @abstractmethod
     def keep(self, steps: Sequence[Candidate]) -> set[int]:
-        """The steps to keep among ``steps`` (committed, oldest first in commit order)."""
+        """The steps to keep among ``steps``.
+
+        Args:
+            steps: the committed steps, oldest first in commit order, each with its
+                ``training`` metadata.
+
+        Returns:
+            The step numbers to keep (rank 0 keeps the newest one whatever this says).
+        """
 
     @abstractmethod
     def to_json(self) -> dict[str, Any]:
@@ -66,7 +75,26 @@ def _positive(value: Any, what: str) -> int:
 @dataclass(frozen=True)
 class KeepLast(Retention):
     """Keep the newest ``n`` committed steps (in commit order). ``keep_last=n`` is short for
-    ``retention=KeepLast(n)``."""
+    ``retention=KeepLast(n)``.
+
+    Args:
+        n: how many (a positive integer).
+
+    Raises:
+        ValueError: ``n`` is not a positive integer.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        root = tempfile.mkdtemp()
+        with ckptd.Checkpointer(root, retention=ckptd.KeepLast(2)) as ckpt:
+            for step in range(5):
+                ckpt.save({"w": torch.ones(2)}, step=step)
+        # retention runs after each commit, in the background; close() settles it
+        assert ckptd.Checkpointer(root, read_only=True).steps() == [3, 4]
+    """
 
     n: int
 
@@ -83,7 +111,26 @@ class KeepLast(Retention):
 @dataclass(frozen=True)
 class KeepEvery(Retention):
     """Keep every step whose number is a multiple of ``steps`` (0, 100, 200, ... for
-    ``KeepEvery(100)``): the long-lived history beside the newest steps."""
+    ``KeepEvery(100)``): the long-lived history beside the newest steps.
+
+    Args:
+        steps: the period (a positive integer).
+
+    Raises:
+        ValueError: ``steps`` is not a positive integer.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        root = tempfile.mkdtemp()
+        policy = ckptd.KeepLast(2) | ckptd.KeepEvery(10)
+        with ckptd.Checkpointer(root, retention=policy) as ckpt:
+            for step in range(0, 35, 5):
+                ckpt.save({"w": torch.ones(2)}, step=step)
+        assert ckptd.Checkpointer(root, read_only=True).steps() == [0, 10, 20, 25, 30]
+    """
 
     steps: int
 
@@ -102,7 +149,28 @@ class KeepBest(Retention):
     """Keep the ``n`` steps with the best value of ``training[metric]``, the ``training=``
     dict of their save: the lowest with ``mode="min"``, the highest with ``"max"``. A step
     whose save recorded no such number (or NaN) is not among the best; between equal values
-    the newer step wins."""
+    the newer step wins.
+
+    Args:
+        n: how many (a positive integer).
+        metric: the key of ``training`` to rank by.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+
+    Raises:
+        ValueError: a bad ``n``, an empty ``metric``, or another ``mode``.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        root = tempfile.mkdtemp()
+        with ckptd.Checkpointer(root, retention=ckptd.KeepBest(2, "loss")) as ckpt:
+            for step, loss in enumerate([0.9, 0.3, 0.5, 0.7]):
+                ckpt.save({"w": torch.ones(2)}, step=step, training={"loss": loss})
+        # the best two, and the newest (always kept)
+        assert ckptd.Checkpointer(root, read_only=True).steps() == [1, 2, 3]
+    """
 
     n: int
     metric: str
@@ -134,7 +202,22 @@ class KeepBest(Retention):
 
 @dataclass(frozen=True, init=False)
 class KeepAny(Retention):
-    """Keep a step if any of ``policies`` keeps it (also written ``a | b``)."""
+    """Keep a step if any of ``policies`` keeps it (also written ``a | b``).
+
+    Args:
+        policies: the policies (at least one); nested ``KeepAny`` are flattened.
+
+    Raises:
+        TypeError: an argument is not a retention policy.
+        ValueError: no policy given.
+
+    Example:
+        import ckptd
+
+        policy = ckptd.KeepAny(ckptd.KeepLast(2), ckptd.KeepBest(1, "loss"))
+        assert policy == ckptd.KeepLast(2) | ckptd.KeepBest(1, "loss")
+        assert policy.metrics == {"loss"}
+    """
 
     policies: tuple[Retention, ...]
 

@@ -41,6 +41,25 @@ class Shard:
     ``replica`` is this copy's index among identical copies of the same box; ``replicas`` (how
     many copies exist, when known) lets ckptd spread the writing of replicated boxes across the
     copies instead of always writing copy 0.
+
+    Args:
+        local: this rank's box of the tensor (written on save, filled on load).
+        global_shape: the logical tensor's full shape.
+        offsets: where ``local`` starts in it, per dimension.
+        replica: this copy's index among identical copies (0: the first).
+        replicas: how many identical copies exist (1: not known; copy 0 writes).
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        full = torch.arange(8.0).reshape(4, 2)
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"w": full}, step=1)
+            rows = torch.zeros(2, 2)  # this rank holds rows 2 and 3
+            ckpt.load({"w": ckptd.Shard(rows, (4, 2), (2, 0))})
+        assert torch.equal(rows, full[2:])
     """
 
     local: torch.Tensor
@@ -60,7 +79,27 @@ class FlatShard:
 
     A member is ``(name, global_shape)`` for a whole logical tensor or
     ``(name, global_shape, offsets, sizes)`` for a box of one (a tensor-parallel shard inside a
-    ZeRO buffer); a dict ``name -> global_shape`` is accepted for whole tensors.
+    ZeRO buffer); a dict ``name -> global_shape`` is accepted for whole tensors. Member names
+    are relative to the leaf's container.
+
+    Args:
+        local: this rank's 1-D slice of the flat buffer.
+        members: the buffer's tensors in order, as above.
+        start: the index in the flat buffer of ``local[0]``.
+        replica: this copy's index among identical copies (0: the first).
+        replicas: how many identical copies exist (1: not known; copy 0 writes).
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"w": torch.ones(2, 2), "b": torch.full((2,), 2.0)}, step=1)
+            buffer = torch.zeros(3)  # flat elements 3..5: the last of w, then b
+            flat = ckptd.FlatShard(buffer, [("w", (2, 2)), ("b", (2,))], start=3)
+            ckpt.load({"buffer": flat})
+        assert buffer.tolist() == [1.0, 2.0, 2.0]
     """
 
     local: torch.Tensor
@@ -73,7 +112,28 @@ class FlatShard:
 @dataclass
 class Fused:
     """``local`` is the concatenation along ``dim`` of boxes of several logical tensors;
-    ``parts`` are ``(name, global_shape, offsets, sizes)`` in order (fused QKV, gate/up)."""
+    ``parts`` are ``(name, global_shape, offsets, sizes)`` in order (fused QKV, gate/up).
+
+    Args:
+        local: the concatenated boxes.
+        dim: the dimension along which they are concatenated.
+        parts: ``(name, global_shape, offsets, sizes)`` of each box, in order; names are
+            relative to the leaf's container.
+        replica: this copy's index among identical copies (0: the first).
+        replicas: how many identical copies exist (1: not known; copy 0 writes).
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"q": torch.ones(2, 3), "k": torch.full((2, 3), 2.0)}, step=1)
+            qk = torch.zeros(4, 3)
+            parts = [("q", (2, 3), (0, 0), (2, 3)), ("k", (2, 3), (0, 0), (2, 3))]
+            ckpt.load({"qk": ckptd.Fused(qk, 0, parts)})
+        assert qk[2:].eq(2.0).all()
+    """
 
     local: torch.Tensor
     dim: int
@@ -90,6 +150,19 @@ class Local:
     On load, rank ``r`` receives what rank ``r`` saved: bytes come back as the same bytes (ckptd
     never unpickles them), tuples as tuples. A rank that did not exist in the saved world keeps
     its current value (policy ``"keep"``).
+
+    Args:
+        value: this rank's value.
+
+    Example:
+        import tempfile
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"rng": ckptd.Local(b"rank-0 state")}, step=1)
+            state = {"rng": ckptd.Local(b"")}
+            ckpt.load(state)
+        assert state["rng"] == ckptd.Local(b"rank-0 state")
     """
 
     value: Any

@@ -31,7 +31,19 @@ from ckptd.errors import CkptdError
 
 class DataMismatch(CkptdError, ValueError):
     """The data order of a resume differs from the checkpoint's (its length, seed, shards or
-    algorithm), or cannot be continued exactly on the new world."""
+    algorithm), or cannot be continued exactly on the new world.
+
+    Example:
+        from ckptd.data import DataMismatch, GlobalOrder, check_spec
+
+        saved = GlobalOrder(100, seed=1).spec()
+        try:
+            check_spec(saved, GlobalOrder(100, seed=2).spec())
+        except DataMismatch as e:
+            assert "seed 1 -> 2" in str(e)
+        else:
+            raise AssertionError("no error")
+    """
 
 
 ORDER_ALGORITHM = ALGORITHM  # part of the fingerprint: a change here changes orders
@@ -98,7 +110,26 @@ class GlobalOrder:
     """Map-style data: position ``p`` of the stream is sample ``index(p)`` of a dataset of
     ``length`` samples, epoch ``p // length`` shuffled by ``(seed, epoch)``. ``algorithm``: the
     newest by default; an older one (:data:`~ckptd.data.permutation.ALGORITHMS`) reproduces the
-    orders of the ckptd versions that had it."""
+    orders of the ckptd versions that had it.
+
+    Args:
+        length: the dataset's number of samples (at least 1; an integer, not a float or bool).
+        seed: the shuffle's seed (an integer).
+        shuffle: False: every epoch reads the samples in order.
+        algorithm: the permutation's algorithm name (part of the fingerprint).
+
+    Raises:
+        ValueError: a length, seed or algorithm that is not valid, named.
+
+    Example:
+        from ckptd.data import GlobalOrder
+
+        order = GlobalOrder(10, seed=3)
+        epoch0 = [order.index(p) for p in range(10)]
+        assert sorted(epoch0) == list(range(10))  # a permutation of the dataset
+        assert order.epoch(12) == 1
+        assert order.spec()["seed"] == 3
+    """
 
     def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True,
                  algorithm: str = ORDER_ALGORITHM) -> None:
@@ -108,6 +139,14 @@ class GlobalOrder:
         self._epochs = _Epochs()
 
     def epoch(self, position: int) -> int:
+        """The epoch stream position ``position`` is in: ``position // length``.
+
+        Args:
+            position: a stream position (0 or more).
+
+        Returns:
+            The epoch number.
+        """
         return position // self.length
 
     def _permutation(self, epoch: int) -> Permutation:
@@ -115,6 +154,17 @@ class GlobalOrder:
                            algorithm=self.algorithm)
 
     def index(self, position: int) -> int:
+        """The sample stream position ``position`` reads.
+
+        Args:
+            position: a stream position (0 or more).
+
+        Returns:
+            The sample index in ``[0, length)``.
+
+        Raises:
+            IndexError: a negative position.
+        """
         if position < 0:
             raise IndexError(f"stream position {position} < 0")
         epoch, i = divmod(position, self.length)
@@ -136,6 +186,23 @@ class ShardedOrder:
     up to ``block_shards`` shards, and a reader holds that many at a time. ``block_shards=1``
     shuffles each shard on its own; with ``shuffle=False`` the shards are read as listed, each
     from its first record to its last. Empty shards are allowed (never read).
+
+    Args:
+        shard_lengths: the record count of each shard, in the shards' order.
+        seed: the shuffle's seed (an integer).
+        shuffle: False: read the shards as listed, each in order.
+        block_shards: shards read together (at least 1).
+        algorithm: the permutation's algorithm name (part of the fingerprint).
+
+    Raises:
+        ValueError: no records at all, or a length, seed or algorithm that is not valid.
+
+    Example:
+        from ckptd.data import ShardedOrder
+
+        order = ShardedOrder([3, 0, 2], seed=7)
+        epoch0 = sorted(order.index(p) for p in range(5))
+        assert epoch0 == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
     """
 
     def __init__(self, shard_lengths: Sequence[int] | np.ndarray, *, seed: int = 0,
@@ -153,6 +220,14 @@ class ShardedOrder:
         self._epochs = _Epochs()
 
     def epoch(self, position: int) -> int:
+        """The epoch stream position ``position`` is in: ``position // length``.
+
+        Args:
+            position: a stream position (0 or more).
+
+        Returns:
+            The epoch number.
+        """
         return position // self.length
 
     def _layout(self, epoch: int) -> _Layout | _LayoutV1:
@@ -161,6 +236,17 @@ class ShardedOrder:
         return _Layout(self, epoch)
 
     def index(self, position: int) -> tuple[int, int]:
+        """The record stream position ``position`` reads.
+
+        Args:
+            position: a stream position (0 or more).
+
+        Returns:
+            ``(shard, offset)``: the shard's index in ``shard_lengths`` and the record in it.
+
+        Raises:
+            IndexError: a negative position.
+        """
         if position < 0:
             raise IndexError(f"stream position {position} < 0")
         epoch, i = divmod(position, self.length)
@@ -168,6 +254,8 @@ class ShardedOrder:
         return layout.index(i)
 
     def spec(self) -> dict[str, Any]:
+        """The fingerprint saved with a checkpoint (see :func:`check_spec`): the shards'
+        lengths as a hash."""
         lengths = self.lengths.astype("<u8").tobytes()
         spec = {"kind": "sharded", "algorithm": self.algorithm, "length": self.length,
                 "seed": self.seed, "shuffle": self.shuffle, "shards": len(self.lengths),
@@ -252,13 +340,31 @@ class StreamOrder:
     without offsets another reader could seek to: an ``IterableDataset`` handing out shards per
     worker, a network stream. Its position cannot be carried to another number of readers, so
     there is no sampler; recording its fingerprint (``ElasticRun.check_data``) makes a resume
-    with another number of readers fail loudly instead of silently changing the order."""
+    with another number of readers fail loudly instead of silently changing the order.
+
+    Args:
+        readers: the number of readers (at least 1).
+        seed: the readers' seed, part of the fingerprint.
+
+    Example:
+        from ckptd.data import DataMismatch, StreamOrder, check_spec
+
+        saved = StreamOrder(8).spec()
+        check_spec(saved, StreamOrder(8).spec())  # the same readers: fine
+        try:
+            check_spec(saved, StreamOrder(4).spec())
+        except DataMismatch as e:
+            assert "readers 8 -> 4" in str(e)
+        else:
+            raise AssertionError("no error")
+    """
 
     def __init__(self, readers: int, *, seed: int = 0) -> None:
         self.readers = integer(readers, "readers", 1)
         self.seed = _check_seed(seed)
 
     def spec(self) -> dict[str, Any]:
+        """The fingerprint saved with a checkpoint (see :func:`check_spec`)."""
         return {"kind": "per-reader-streams", "algorithm": ORDER_ALGORITHM,
                 "readers": self.readers, "seed": self.seed}
 
@@ -278,7 +384,24 @@ def check_spec(saved: dict[str, Any] | None, current: dict[str, Any], *,
     """Raise :class:`~ckptd.errors.DataMismatch` naming every field of the data order that
     differs from the checkpoint's, unless ``allow_change`` (the caller changed it on purpose;
     ``ckptd.data.stream`` decides which order reads what from there). No saved spec: nothing
-    to compare (a checkpoint from before it existed)."""
+    to compare (a checkpoint from before it existed).
+
+    Args:
+        saved: the checkpoint's fingerprint (an order's ``spec()``), or None.
+        current: this run's order's ``spec()``.
+        allow_change: accept a difference (the change is intended).
+
+    Raises:
+        DataMismatch: the fingerprints differ, naming each field (``seed 1 -> 2``).
+
+    Example:
+        from ckptd.data import GlobalOrder, check_spec
+
+        saved = GlobalOrder(100, seed=1).spec()
+        check_spec(saved, GlobalOrder(100, seed=1).spec())
+        check_spec(saved, GlobalOrder(120, seed=1).spec(), allow_change=True)
+        check_spec(None, GlobalOrder(100).spec())  # nothing saved: nothing to compare
+    """
     if saved is None or allow_change:
         return
     changed = changes(saved, current)

@@ -34,6 +34,19 @@ class MemoryEstimate:
     """Per-GPU memory of one setting, in GiB (2**30 bytes).
 
     ``state_gib`` = parameters + gradients + optimizer state; ``total_gib`` = state + activations.
+
+    Attributes:
+        parameters_gib: the parameters this rank holds.
+        gradients_gib: the gradients this rank holds.
+        optimizer_gib: the optimizer state this rank holds.
+        activations_gib: the activations of one micro-batch.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.MemoryEstimate(parameters_gib=1.0, gradients_gib=2.0, optimizer_gib=4.0,
+                                   activations_gib=0.5)
+        assert (m.state_gib, m.total_gib) == (7.0, 7.5)
     """
 
     parameters_gib: float
@@ -43,10 +56,12 @@ class MemoryEstimate:
 
     @property
     def state_gib(self) -> float:
+        """Parameters + gradients + optimizer state, in GiB."""
         return self.parameters_gib + self.gradients_gib + self.optimizer_gib
 
     @property
     def total_gib(self) -> float:
+        """``state_gib`` + activations, in GiB."""
         return self.state_gib + self.activations_gib
 
 
@@ -92,12 +107,33 @@ def estimate_memory(
     optim_slots: float = OPTIM_SLOTS,
     activation_constant: float = ACTIVATION_CONSTANT,
 ) -> MemoryEstimate:
-    """Per-GPU memory of ``training`` for ``model`` under the module's memory model.
+    """Per-GPU memory of ``training`` for ``model`` under the module's memory model: the
+    state divided over the ranks as the ZeRO stage shards it, and the activations of one
+    micro-batch.
 
-    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    >>> t = TrainingSpec(1, 480, 6, 1, 4096)
-    >>> round(estimate_memory(m, t).activations_gib, 3)   # 16*6*4096*4096*28*2 bytes
-    84.0
+    Args:
+        model: the model's sizes.
+        training: the batch and sharding settings.
+        param_bytes: bytes per parameter (2: bf16).
+        grad_bytes: bytes per gradient element (4: fp32).
+        optim_bytes: bytes per optimizer state element (4: fp32).
+        optim_slots: optimizer state elements per parameter (2: Adam's moments).
+        activation_constant: activation bytes per token x hidden x layer x dtype byte.
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Raises:
+        InvalidSpec: a memory parameter that is not a number >= 0.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                              num_parameters=4_832_071_680)
+        t = elastic.TrainingSpec(1, 480, 6, 1, 4096)
+        # 16 * 6 * 4096 * 4096 * 28 * 2 bytes of activations
+        assert round(elastic.estimate_memory(m, t).activations_gib, 3) == 84.0
     """
     mm = MemoryModel(param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant)
     return mm.estimate(

@@ -50,7 +50,18 @@ REASONS = ("start", "scale-down", "scale-up", "restart", "reshard")
 
 
 class NotElastic(CkptdError, ValueError):
-    """A checkpoint's training metadata is missing or is not an elastic run's record."""
+    """A checkpoint's training metadata is missing or is not an elastic run's record.
+
+    Example:
+        from ckptd import elastic
+
+        try:
+            elastic.TrainingMeta.from_json({"loss": 0.5}, where="step 3")
+        except elastic.NotElastic as e:
+            assert str(e).startswith("step 3: no elastic training metadata")
+        else:
+            raise AssertionError("no error")
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +73,21 @@ class ElasticPolicy:
     restart and a scale-up that a joining node may cause (see :func:`scale_up_wait_s`).
     ``assumed_write_bytes_per_s`` projects the preemption save's duration before any save of
     this incarnation measured the real bandwidth.
+
+    Args:
+        tolerance: how far the global batch may move from the reference's (relative).
+        mem_limit_gib: the per-GPU memory limit a plan must fit.
+        max_micro_batch_size: the largest micro-batch a plan may use.
+        zero_stages: the ZeRO stages a plan may use, in order of preference.
+        scale_up_cooldown_s: seconds between a restart and a scale-up.
+        assumed_write_bytes_per_s: the write bandwidth assumed before one is measured.
+
+    Example:
+        from ckptd import elastic
+
+        policy = elastic.ElasticPolicy(tolerance=0.05, mem_limit_gib=120)
+        assert policy.replan_kwargs()["tolerance"] == 0.05
+        assert elastic.ElasticPolicy.from_json(policy.to_json()) == policy
     """
 
     tolerance: float = 0.10  # the Fast-LLM analysis: ±10 % suffices with a few accum. steps
@@ -72,17 +98,27 @@ class ElasticPolicy:
     assumed_write_bytes_per_s: float = 500e6  # a modest shared filesystem, per rank
 
     def replan_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~ckptd.elastic.replan` this policy sets."""
         return {"tolerance": self.tolerance, "mem_limit_gib": self.mem_limit_gib,
                 "max_micro_batch_size": self.max_micro_batch_size,
                 "zero_stages": self.zero_stages}
 
     def to_json(self) -> dict[str, Any]:
+        """The policy as a JSON-able dict (:meth:`from_json` reads it back)."""
         record = dataclasses.asdict(self)
         record["zero_stages"] = list(self.zero_stages)
         return record
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any]) -> ElasticPolicy:
+        """Decode :meth:`to_json`'s dict; unknown keys are ignored, missing ones default.
+
+        Args:
+            record: the dict.
+
+        Returns:
+            The ElasticPolicy.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in record.items() if k in names}
         if "zero_stages" in data:
@@ -140,7 +176,36 @@ class HistoryEntry:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingMeta:
-    """The ``training`` dict of an elastic run's checkpoint (see the module docstring)."""
+    """The ``training`` dict of an elastic run's checkpoint (see the module docstring).
+
+    Attributes:
+        spec: the batch settings the checkpoint was trained with.
+        reference: the configured settings every re-plan stays near.
+        model: the model's sizes, when given.
+        policy: the run's :class:`ElasticPolicy`.
+        consumed_samples: the stream position: samples consumed so far.
+        history: one entry per incarnation (settings, reason, load and downtime figures).
+        losses: ``(step, loss)`` points, thinned to a bounded number.
+        loss_stride: the steps between recorded losses.
+        preempted_at: the SIGTERM's time, for a preemption save; else None.
+        data: the data order's fingerprint, once the run has one.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+        from ckptd import elastic
+
+        ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+        reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                         gradient_accumulation_steps=1, sequence_length=128)
+        run = elastic.resume(ckpt, reference=reference, world_size=4)
+        run.step_done(loss=1.5)
+        meta = elastic.TrainingMeta.from_json(run.metadata())
+        assert meta.consumed_samples == 8 and meta.losses == ((1, 1.5),)
+        run.close()
+        ckpt.close()
+    """
 
     spec: TrainingSpec
     reference: TrainingSpec
@@ -155,10 +220,18 @@ class TrainingMeta:
     data: dict[str, Any] | None = None
 
     def epoch(self, consumed_samples: int) -> int | None:
-        """The data epoch at a stream position, when the run's data order is known."""
+        """The data epoch at a stream position, when the run's data order is known.
+
+        Args:
+            consumed_samples: a stream position.
+
+        Returns:
+            The epoch, or None without a data order.
+        """
         return epoch_at(self.data, consumed_samples)
 
     def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-able dict with a format version (``ElasticRun.metadata``)."""
         return {
             "version": TRAINING_META_VERSION,
             "spec": self.spec.to_json(),
@@ -175,7 +248,18 @@ class TrainingMeta:
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any] | str, where: str = "training") -> TrainingMeta:
-        """Decode :meth:`to_json`'s dict (or its text); ``where`` names the source in errors."""
+        """Decode :meth:`to_json`'s dict (or its text).
+
+        Args:
+            record: the dict, or its JSON text.
+            where: names the source in errors.
+
+        Returns:
+            The TrainingMeta.
+
+        Raises:
+            NotElastic: not an elastic run's record, of another version, or malformed.
+        """
         data: Any = json.loads(record) if isinstance(record, str) else record
         if not isinstance(data, Mapping) or "spec" not in data:
             raise NotElastic(f"{where}: no elastic training metadata (was it saved by an "
@@ -237,6 +321,31 @@ def scale_up_wait_s(meta: TrainingMeta, now: float, cooldown_s: float | None = N
     the time of its last history entry. When the newest checkpoint is a preemption save
     (``preempted_at`` is set), the run is stopped or already restarting: joining now costs no
     extra restart, so the wait is 0.
+
+    Args:
+        meta: the newest checkpoint's :class:`TrainingMeta`.
+        now: the current unix time.
+        cooldown_s: the cooldown; None: the run's ``policy.scale_up_cooldown_s``.
+
+    Returns:
+        Seconds to wait, 0.0 or more.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+        from ckptd import elastic
+
+        ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+        reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                         gradient_accumulation_steps=1, sequence_length=128)
+        run = elastic.resume(ckpt, reference=reference, world_size=4)
+        meta = elastic.TrainingMeta.from_json(run.metadata())
+        started = meta.history[-1].time
+        assert elastic.scale_up_wait_s(meta, started + 60, cooldown_s=300) == 240
+        assert elastic.scale_up_wait_s(meta, started + 400, cooldown_s=300) == 0
+        run.close()
+        ckpt.close()
     """
     cooldown = meta.policy.scale_up_cooldown_s if cooldown_s is None else cooldown_s
     if not meta.history or meta.preempted_at is not None:
@@ -270,7 +379,32 @@ def torchrun_world(env: dict[str, str] | None = None) -> WorldInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PreemptionOutcome:
-    """What :meth:`ElasticRun.save_on_preemption` did; ``exit_code`` is what to exit with."""
+    """What :meth:`ElasticRun.save_on_preemption` did; ``exit_code`` is what to exit with.
+
+    Attributes:
+        step: the step the run was at.
+        saved: the state at ``step`` is committed (now or by an earlier save).
+        reason: why it saved or did not, in words.
+        exit_code: what the process should exit with (``EXIT_RESTART`` or 0).
+        signalled: this rank received the SIGTERM itself.
+        drain_s: seconds spent waiting for in-flight saves.
+        save_s: seconds of the preemption save (0 when none was made).
+        projected_s: the agreed projection of the save's duration.
+        grace_left_s: the grace left when the decision was taken.
+        signal_to_committed_s: SIGTERM to committed (None if nothing was committed).
+        nbytes: bytes this rank wrote in the preemption save.
+        safe_via: ``"storage"``, ``"peer <node>"`` (handed to that node's agent: ``saved``
+            is False), or None when there was no save.
+
+    Example:
+        import ckptd
+        from ckptd import elastic
+
+        def on_preemption(run, state):  # call it on every rank once ckptd.preempted()
+            outcome = run.save_on_preemption(state)
+            print(outcome.reason, outcome.safe_via)
+            elastic.exit_now(outcome.exit_code)
+    """
 
     step: int
     saved: bool  # the state at ``step`` is committed (now or by an earlier save)

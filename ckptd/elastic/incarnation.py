@@ -49,6 +49,45 @@ def resume(
     size and rank (default: the checkpointer's). Installs :func:`ckptd.on_preemption` with
     ``grace_s``; on SIGTERM a ``sigterm`` event is logged, then ``on_sigterm`` runs (keep it
     async-signal-light). ``events``: a local JSONL file for this run's events.
+
+    Args:
+        ckpt: the run's Checkpointer; None: the process default (``ckptd.init``).
+        reference: the configured batch settings (required).
+        model: the model's sizes; None: the checkpoint's.
+        policy: the :class:`ElasticPolicy`; None: the defaults.
+        world_size: the data-parallel size; None: the checkpointer's world size.
+        dp_rank: this rank's data-parallel rank; None: the checkpointer's rank.
+        grace_s: seconds between SIGTERM and SIGKILL.
+        events: a local JSONL file for the run's events; None: none.
+        on_sigterm: called on SIGTERM (inside the signal handler).
+
+    Returns:
+        The :class:`ElasticRun` of this incarnation (``run.close()`` uninstalls its handler).
+
+    Raises:
+        NoFeasiblePlan: no settings fit the new world size.
+        NotElastic: the newest checkpoint was not saved by an elastic run.
+        CkptdError: no ``ckpt`` and no ``ckptd.init`` before.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+        from ckptd import elastic
+
+        ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+        reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                         gradient_accumulation_steps=1, sequence_length=128)
+        run = elastic.resume(ckpt, reference=reference, world_size=4)
+        state = {"w": torch.zeros(2)}
+        run.step_done()
+        run.save(state)
+        run.close()
+        again = elastic.resume(ckpt, reference=reference, world_size=4)
+        assert again.load(state).step == 1 and again.entry.reason == "restart"
+        again.close()
+        run.close()
+        ckpt.close()
     """
     if ckpt is None:
         ckpt = checkpointer.default()

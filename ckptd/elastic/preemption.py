@@ -116,10 +116,23 @@ def on_preemption(
     action, which would kill the process, is never chained). Calling again while installed
     only updates ``callback``, ``grace_s`` and ``chain``.
 
-    >>> watch = on_preemption(grace_s=25.0)
-    >>> preempted()
-    False
-    >>> watch.uninstall()
+    Args:
+        callback: called (inside the signal handler) when SIGTERM arrives; None: none.
+        grace_s: seconds between SIGTERM and SIGKILL, for the deadline the watch reports.
+        chain: also call the previous Python handler after ours.
+
+    Returns:
+        The ``PreemptionWatch`` (``.uninstall()`` restores the previous handler).
+
+    Raises:
+        PreemptionError: not called from the main thread, or ``grace_s`` < 0.
+
+    Example:
+        import ckptd
+
+        watch = ckptd.on_preemption(grace_s=25.0)
+        assert ckptd.preempted() is False
+        watch.uninstall()
     """
     if threading.current_thread() is not threading.main_thread():
         raise PreemptionError("on_preemption() must be called from the main thread")
@@ -167,8 +180,24 @@ def preempted(*, every: int = 1, group: Any = None) -> bool:
     they all call it equally often with the same N. Use it when one all-reduce per micro-batch
     costs too much; the save then starts up to N-1 calls later.
 
-    >>> preempted()
-    False
+    Args:
+        every: all-reduce on every ``every``-th call only.
+        group: the process group to agree over; None: the world.
+
+    Returns:
+        True once any rank received SIGTERM.
+
+    Raises:
+        PreemptionError: ``every`` < 1.
+
+    Example:
+        import ckptd
+
+        watch = ckptd.on_preemption()
+        for step in range(3):
+            if ckptd.preempted():
+                break  # save (urgent=True) and exit here
+        watch.uninstall()
     """
     if _state.agreed:
         return True

@@ -183,7 +183,41 @@ def reshard(ckpt: str, world: int, *, out: str | None = None, dry_run: bool = Fa
             out_storage_options: dict[str, Any] | None = None, **options: Any) -> Resharded:
     """Rewrite the committed checkpoint ``ckpt`` for a world of ``world`` ranks and commit it
     under the new root ``out`` (:func:`plan_reshard` for the ``options``, then
-    :meth:`ReshardPlan.run`); ``dry_run``: plan only (:meth:`ReshardPlan.dry_run`)."""
+    :meth:`ReshardPlan.run`); ``dry_run``: plan only (:meth:`ReshardPlan.dry_run`). The
+    library side of ``ckptd reshard``.
+
+    Args:
+        ckpt: a root (its newest step) or ``ROOT/step-NNNNNNNNN``.
+        world: the target world size (at least 1).
+        out: the new root to commit into; one a job owns is refused.
+        dry_run: plan only, write nothing.
+        out_storage_options: storage options for ``out``.
+        options: ``plan_reshard``'s: ``tp``, ``pp``, ``zero``, ``layout`` (a layout file or
+            spec), ``storage_options``, ``threads``, ``budget``, ``compression``
+            (``"same"`` by default), ``mem_limit_gib``, ``max_micro_batch_size``,
+            ``tolerance``.
+
+    Returns:
+        A ``Resharded``: the step, the target world and layout, per-rank reports, the
+        committed ``url`` (None for a dry run), bytes written and read.
+
+    Raises:
+        ValueError: neither ``out`` nor ``dry_run``, or ``world`` < 1.
+        CheckpointNotFound: ``ckpt`` holds no committed step.
+
+    Example:
+        import os
+        import tempfile
+        import torch
+        import ckptd
+
+        root = tempfile.mkdtemp()
+        with ckptd.Checkpointer(root) as ckpt:
+            ckpt.save({"w": torch.arange(16.0).reshape(4, 4)}, step=1)
+        out = os.path.join(tempfile.mkdtemp(), "four")
+        done = ckptd.reshard(root, 4, out=out)
+        assert done.world_size == 4 and done.step == 1
+    """
     if not dry_run and not out:
         raise ValueError("reshard: give the new root (out) or ask for a dry run")
     plan = plan_reshard(ckpt, world, **options)

@@ -72,6 +72,34 @@ class ElasticRun:
     Made by :func:`ckptd.elastic.resume`. ``training`` is the plan for this world; ``step`` and
     ``consumed_samples`` advance with :meth:`step_done`; every save carries
     :meth:`metadata` as its ``training=`` dict.
+
+    Args:
+        ckpt: the run's Checkpointer.
+        meta: the run's :class:`TrainingMeta` as resumed (or fresh).
+        step: the step it starts at.
+        resumed: whether it resumes a checkpoint (then :meth:`load` loads ``step``).
+        dp_rank: this rank's data-parallel rank.
+        events: the run's event log.
+        on_sigterm: called on SIGTERM, after the event is logged.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+        from ckptd import elastic
+
+        ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+        reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                         gradient_accumulation_steps=1, sequence_length=128)
+        run = elastic.resume(ckpt, reference=reference, world_size=4)
+        state = {"w": torch.zeros(2)}
+        for _ in range(3):
+            state["w"] += 1
+            run.step_done(loss=2.0)
+        run.save(state)
+        assert ckpt.latest_step() == 3 and run.consumed_samples == 24
+        run.close()
+        ckpt.close()
     """
 
     def __init__(self, ckpt: Checkpointer, meta: TrainingMeta, *, step: int, resumed: bool,
@@ -95,10 +123,12 @@ class ElasticRun:
     # ------------------------------------------------------------------ what to train
     @property
     def training(self) -> TrainingSpec:
+        """The batch settings of this incarnation (re-planned for its world)."""
         return self.meta.spec
 
     @property
     def consumed_samples(self) -> int:
+        """The stream position: samples consumed by the optimizer steps so far."""
         return self.meta.consumed_samples
 
     @property
@@ -109,7 +139,32 @@ class ElasticRun:
     def sample_indices(self, micro_step: int, dp_rank: int | None = None) -> range:
         """The samples data-parallel rank ``dp_rank`` (default: ours) trains on in micro-step
         ``micro_step`` of the current optimizer step. Over every rank and micro-step they are
-        exactly ``[consumed_samples, consumed_samples + global_batch_size)``."""
+        exactly ``[consumed_samples, consumed_samples + global_batch_size)``.
+
+        Args:
+            micro_step: the micro-step within the optimizer step.
+            dp_rank: a data-parallel rank; None: this rank's.
+
+        Returns:
+            A ``range`` of stream positions.
+
+        Raises:
+            InvalidSpec: a micro-step or rank outside the settings.
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+            from ckptd import elastic
+
+            ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+            reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                             gradient_accumulation_steps=1, sequence_length=128)
+            run = elastic.resume(ckpt, reference=reference, world_size=4)
+            assert run.sample_indices(0, dp_rank=1) == range(2, 4)
+            run.close()
+            ckpt.close()
+        """
         t = self.training
         r = self.dp_rank if dp_rank is None else dp_rank
         if not (0 <= micro_step < t.gradient_accumulation_steps and 0 <= r < t.world_size):
@@ -130,7 +185,37 @@ class ElasticRun:
         ``True`` finishes the epoch in progress under the checkpoint's order and starts the
         new one at the next epoch; ``"now"`` starts a new epoch of the new order at once
         (``docs/data.md``). An order that differs only by its algorithm (a checkpoint of an
-        older ckptd) finishes its epoch the same way, without the flag."""
+        older ckptd) finishes its epoch the same way, without the flag.
+
+        Args:
+            order: the data's global order.
+            steps: optimizer steps to yield; None: without end.
+            allow_data_change: False, True or ``"now"``, as above.
+
+        Returns:
+            A :class:`~ckptd.data.GlobalBatchSampler`.
+
+        Raises:
+            DataMismatch: the order differs from the checkpoint's (without
+                ``allow_data_change``).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+            from ckptd import elastic
+
+            ckpt = ckptd.Checkpointer(tempfile.mkdtemp())
+            reference = elastic.TrainingSpec(zero_stage=1, world_size=4, micro_batch_size=2,
+                                             gradient_accumulation_steps=1, sequence_length=128)
+            run = elastic.resume(ckpt, reference=reference, world_size=4)
+            from ckptd.data import GlobalOrder
+
+            sampler = run.batch_sampler(GlobalOrder(100, seed=0), steps=2)
+            assert len(sampler) == 2 and all(len(batch) == 2 for batch in sampler)
+            run.close()
+            ckpt.close()
+        """
         stream = self._stream(order, allow_data_change)
         t = self.training
         return GlobalBatchSampler(stream.simple() or stream, consumed=self.consumed_samples,
@@ -143,7 +228,15 @@ class ElasticRun:
         """Compare ``order``'s fingerprint with the checkpoint's (raise
         :class:`~ckptd.data.DataMismatch` naming what changed, unless ``allow_data_change``) and
         save it with this run's checkpoints. :meth:`batch_sampler` calls it; call it directly
-        for a :class:`~ckptd.data.StreamOrder`, whose readers cannot change."""
+        for a :class:`~ckptd.data.StreamOrder`, whose readers cannot change.
+
+        Args:
+            order: the data's order.
+            allow_data_change: False, True or ``"now"`` (see :meth:`batch_sampler`).
+
+        Raises:
+            DataMismatch: the order differs from the checkpoint's.
+        """
         if isinstance(order, StreamOrder):
             check_spec(self.meta.data, order.spec(), allow_change=bool(allow_data_change))
             self.meta = dataclasses.replace(self.meta, data=order.spec())
@@ -163,7 +256,18 @@ class ElasticRun:
         """Fill ``state`` (built for :attr:`training`) from the checkpoint this run resumes;
         ``None`` on a fresh start (``strict`` as for :meth:`ckptd.Checkpointer.load`). Records
         in the history entry the load time and where the job's bytes came from (the node
-        agents' memory, their peer copies, storage)."""
+        agents' memory, their peer copies, storage).
+
+        Args:
+            state: the destination state tree.
+            strict: as for :meth:`ckptd.Checkpointer.load`.
+
+        Returns:
+            The :class:`~ckptd.LoadResult`, or None on a fresh start.
+
+        Raises:
+            StateMismatch: the state does not fit the checkpoint (nothing modified).
+        """
         if self.resumed_step is None:
             return None
         t0 = time.perf_counter()
@@ -180,7 +284,11 @@ class ElasticRun:
 
     def step_done(self, loss: float | None = None) -> None:
         """One optimizer step finished: advance the step and the consumed samples, record the
-        loss (the same value on every rank, e.g. all-reduced)."""
+        loss (the same value on every rank, e.g. all-reduced).
+
+        Args:
+            loss: the step's loss, or None.
+        """
         m = self.meta
         self.step += 1
         losses, stride = m.losses, m.loss_stride
@@ -201,12 +309,27 @@ class ElasticRun:
                               consumed=self.meta.consumed_samples)
 
     def metadata(self, *, preempted_at: float | None = None) -> dict[str, Any]:
-        """The ``training=`` dict for a save of the current step."""
+        """The ``training=`` dict for a save of the current step.
+
+        Args:
+            preempted_at: the SIGTERM's time, for a preemption save.
+
+        Returns:
+            :meth:`TrainingMeta.to_json` of the run now.
+        """
         return dataclasses.replace(self.meta, preempted_at=preempted_at).to_json()
 
     # ------------------------------------------------------------------ saving
     def save_async(self, state: Any, *, overlap: bool = False) -> SaveHandle:
-        """``save_async`` of the current step with this run's metadata."""
+        """``save_async`` of the current step with this run's metadata.
+
+        Args:
+            state: the state tree.
+            overlap: as for :meth:`ckptd.Checkpointer.save_async`.
+
+        Returns:
+            The :class:`~ckptd.SaveHandle`.
+        """
         self._observe()
         handle = self.ckpt.save_async(state, step=self.step, overlap=overlap,
                                       training=self.metadata())
@@ -216,13 +339,27 @@ class ElasticRun:
         return handle
 
     def save(self, state: Any) -> SaveResult:
-        """Save the current step and wait until it is committed."""
+        """Save the current step and wait until it is committed.
+
+        Args:
+            state: the state tree.
+
+        Returns:
+            The :class:`~ckptd.SaveResult`.
+        """
         result = self.save_async(state).result()
         self._observe()
         return result
 
     def finish(self, state: Any) -> int:
-        """Save the final step unless already saved, wait for every save; returns 0."""
+        """Save the final step unless already saved, and wait for every save.
+
+        Args:
+            state: the state tree.
+
+        Returns:
+            0, the exit code of a finished run.
+        """
         if self._issued_step != self.step:
             self.save(state)
         self.ckpt.wait()
@@ -244,6 +381,12 @@ class ElasticRun:
         threads). Otherwise the previous checkpoint stays ``latest`` and the reason is logged.
         The ranks agree on the decision (one all-gather). Never raises for a failed save: the
         outcome says what happened.
+
+        Args:
+            state: the state tree.
+
+        Returns:
+            A :class:`PreemptionOutcome`.
         """
         t0 = time.monotonic()
 
@@ -369,7 +512,22 @@ class ElasticRun:
 def exit_now(code: int, ckpt: Checkpointer | None = None) -> None:
     """``os._exit(code)`` after closing ``ckpt`` (default: the process default; waits for
     in-flight saves, raises a background error). A restart waits for every worker to exit, and
-    tearing down an interpreter that imported torch took 3 s on the demo's loaded 2 cores."""
+    tearing down an interpreter that imported torch took 3 s on the demo's loaded 2 cores.
+
+    Args:
+        code: the exit code (``EXIT_RESTART``: have the launcher restart the worker).
+        ckpt: the Checkpointer to close first; None: the process default, if any.
+
+    Raises:
+        CkptdError: closing ``ckpt`` raised a background error (nothing exits then).
+
+    Example:
+        import subprocess
+        import sys
+
+        code = "from ckptd import elastic; elastic.exit_now(elastic.EXIT_RESTART)"
+        assert subprocess.run([sys.executable, "-c", code]).returncode == 75
+    """
     import sys
 
     if ckpt is None:

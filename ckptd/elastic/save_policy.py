@@ -39,9 +39,21 @@ class SaveEvery:
     docstring): call it on every rank at the same point of the loop. With ``steps`` alone and
     ``on_preemption=False`` it communicates nothing.
 
-    >>> policy = SaveEvery(steps=100, on_preemption=False)
-    >>> [s for s in range(0, 301, 50) if policy.should_save(s)]
-    [0, 100, 200, 300]
+    Args:
+        steps: save the steps that are multiples of it; None: not by count.
+        seconds: save when this many seconds passed since the last save it asked for; None:
+            not by time.
+        on_preemption: save once when any rank got SIGTERM.
+        group: the process group to agree over; None: the world.
+
+    Raises:
+        ValueError: ``steps`` or ``seconds`` not positive, or nothing to save on.
+
+    Example:
+        import ckptd
+
+        policy = ckptd.SaveEvery(steps=100, on_preemption=False)
+        assert [s for s in range(0, 301, 50) if policy.should_save(s)] == [0, 100, 200, 300]
     """
 
     steps: int | None = None
@@ -66,7 +78,14 @@ class SaveEvery:
             preemption.on_preemption()
 
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step`` (see the class docstring); the same on every rank."""
+        """Whether to save ``step`` (see the class docstring); the same on every rank.
+
+        Args:
+            step: the step the loop is at.
+
+        Returns:
+            True when a count, the clock or a preemption makes it due.
+        """
         now = time.monotonic()
         if self._since is None:
             self._since = now

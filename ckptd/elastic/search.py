@@ -57,6 +57,26 @@ class NoFeasiblePlan(CkptdError, ValueError):
       ``world_size - world_below`` ranks idle);
     - ``world_above``: the smallest larger world size that has a plan (only searched when memory,
       not the band, is what rules this world size out).
+
+    Args:
+        message: the error's text.
+        world_size: the world size that has no plan.
+        band: the global batch band ``(lower, upper)`` searched.
+        needed_tolerance, needed_mem_limit_gib, world_below, world_above: the nearest
+            options, as above.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                              num_parameters=4_832_071_680)
+        previous = elastic.TrainingSpec(1, 480, 6, 1, 4096)  # global batch 2880
+        try:
+            elastic.replan(m, previous, 800, mem_limit_gib=120, max_micro_batch_size=32)
+        except elastic.NoFeasiblePlan as e:
+            assert e.world_size == 800 and e.band == (2592, 3168)
+        else:
+            raise AssertionError("no error")
     """
 
     def __init__(
@@ -84,6 +104,20 @@ class Plan:
     """The result of :func:`replan`.
 
     ``deviation`` is the relative change of the global batch, ``(new - previous) / previous``.
+
+    Attributes:
+        training: the chosen settings for the new world.
+        deviation: the relative change of the global batch.
+        memory: the settings' per-GPU :class:`MemoryEstimate`.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                              num_parameters=4_832_071_680)
+        previous = elastic.TrainingSpec(1, 480, 6, 1, 4096)  # global batch 2880
+        plan = elastic.replan(m, previous, 488, mem_limit_gib=120, max_micro_batch_size=32)
+        assert plan.training.global_batch_size == 2928 and plan.memory.total_gib <= 120
     """
 
     training: TrainingSpec
@@ -285,15 +319,35 @@ def replan(
     the smallest ``|global batch - B|``; ties go to the lower ZeRO stage, then to the one found
     first (the larger micro-batch). The sequence length is kept.
 
-    Raises :class:`NoFeasiblePlan` (naming the tolerance, memory limit or world size that would
-    work) when nothing fits, and :class:`InvalidSpec` on bad arguments.
+    Args:
+        model: the model's sizes.
+        previous: the settings to stay near (their global batch is ``B``).
+        world_size: the new number of data-parallel ranks.
+        tolerance: the band's relative half-width.
+        mem_limit_gib: the per-GPU memory limit (required).
+        max_micro_batch_size: the largest micro-batch to try (required).
+        zero_stages: the ZeRO stages to try, in order of preference.
+        param_bytes, grad_bytes, optim_bytes, optim_slots, activation_constant: the memory
+            model's parameters (see :func:`estimate_memory`).
 
-    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    >>> prev = TrainingSpec(1, 480, 6, 1, 4096)          # global batch 2880
-    >>> p = replan(m, prev, 488, mem_limit_gib=120, max_micro_batch_size=32)
-    >>> (p.training.micro_batch_size, p.training.gradient_accumulation_steps,
-    ...  p.training.global_batch_size, round(p.deviation, 4))
-    (6, 1, 2928, 0.0167)
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        NoFeasiblePlan: nothing fits (naming the tolerance, memory limit or world size that
+            would work).
+        InvalidSpec: bad arguments.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                              num_parameters=4_832_071_680)
+        previous = elastic.TrainingSpec(1, 480, 6, 1, 4096)  # global batch 2880
+        p = elastic.replan(m, previous, 488, mem_limit_gib=120, max_micro_batch_size=32)
+        t = p.training
+        assert (t.micro_batch_size, t.gradient_accumulation_steps) == (6, 1)
+        assert t.global_batch_size == 2928 and round(p.deviation, 4) == 0.0167
     """
     plan = planner(
         model,

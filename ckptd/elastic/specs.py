@@ -19,7 +19,19 @@ TRAINING_SPEC_VERSION = 1
 
 
 class InvalidSpec(CkptdError, ValueError):
-    """An argument of the elastic planner is out of range (a size < 1, an unknown ZeRO stage)."""
+    """An argument of the elastic planner is out of range (a size < 1, an unknown ZeRO stage).
+
+    Example:
+        from ckptd import elastic
+
+        try:
+            elastic.TrainingSpec(zero_stage=4, world_size=8, micro_batch_size=1,
+                                 gradient_accumulation_steps=1, sequence_length=128)
+        except elastic.InvalidSpec as e:
+            assert "ZeRO stage" in str(e)
+        else:
+            raise AssertionError("no error")
+    """
 
 
 def positive_int(owner: str, name: str, value: object) -> None:
@@ -36,8 +48,21 @@ def check_zero_stage(owner: str, value: object) -> None:
 class ModelSpec:
     """The sizes of a model that the memory model needs.
 
-    >>> ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4832071680, dtype_bytes=2)
+    Args:
+        hidden_size: the hidden dimension.
+        num_hidden_layers: the number of transformer layers.
+        num_parameters: the number of parameters.
+        dtype_bytes: bytes per activation element (2: bf16).
+
+    Raises:
+        InvalidSpec: a size that is not a positive int.
+
+    Example:
+        from ckptd import elastic
+
+        model = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                                  num_parameters=4_832_071_680)
+        assert model.dtype_bytes == 2
     """
 
     hidden_size: int
@@ -54,12 +79,23 @@ class ModelSpec:
 class TrainingSpec:
     """Batch and sharding settings of one run; stored in checkpoint metadata.
 
-    >>> t = TrainingSpec(zero_stage=1, world_size=480, micro_batch_size=6,
-    ...                  gradient_accumulation_steps=1, sequence_length=4096)
-    >>> t.global_batch_size
-    2880
-    >>> TrainingSpec.from_json(t.to_json()) == t
-    True
+    Args:
+        zero_stage: the ZeRO stage, 0 to 3.
+        world_size: the number of data-parallel ranks.
+        micro_batch_size: samples per micro-batch and rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        sequence_length: tokens per sample.
+
+    Raises:
+        InvalidSpec: a size that is not a positive int, or an unknown ZeRO stage.
+
+    Example:
+        from ckptd import elastic
+
+        t = elastic.TrainingSpec(zero_stage=1, world_size=480, micro_batch_size=6,
+                                 gradient_accumulation_steps=1, sequence_length=4096)
+        assert t.global_batch_size == 2880
+        assert elastic.TrainingSpec.from_json(t.to_json()) == t
     """
 
     zero_stage: int
@@ -87,7 +123,17 @@ class TrainingSpec:
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any] | str) -> TrainingSpec:
-        """Decode what :meth:`to_json` produced (the dict, or its ``json.dumps`` text)."""
+        """Decode what :meth:`to_json` produced (the dict, or its ``json.dumps`` text).
+
+        Args:
+            record: the dict, or its JSON text.
+
+        Returns:
+            The TrainingSpec.
+
+        Raises:
+            InvalidSpec: not a record of this version, or a field missing or out of range.
+        """
         data: Any = json.loads(record) if isinstance(record, str) else record
         if not isinstance(data, Mapping):
             raise InvalidSpec(f"TrainingSpec record must be a JSON object, got {data!r}")

@@ -34,10 +34,20 @@ def parse_world_range(spec: str) -> list[int]:
 
     The result is sorted and without duplicates.
 
-    >>> parse_world_range("8..32:8")
-    [8, 16, 24, 32]
-    >>> parse_world_range("1,4..6")
-    [1, 4, 5, 6]
+    Args:
+        spec: the spec, as above.
+
+    Returns:
+        The world sizes, ascending.
+
+    Raises:
+        InvalidSpec: an empty spec, a size below 1, or a range that ends before it starts.
+
+    Example:
+        from ckptd import elastic
+
+        assert elastic.parse_world_range("8..32:8") == [8, 16, 24, 32]
+        assert elastic.parse_world_range("1,4..6") == [1, 4, 5, 6]
     """
     if not isinstance(spec, str) or not spec.strip():
         raise InvalidSpec(f"world range must be a non-empty string, got {spec!r}")
@@ -77,11 +87,30 @@ def plan_table(
     (``mem_limit_gib`` and ``max_micro_batch_size`` are required). GiB figures are rounded to
     3 decimals and the deviation (in percent) to 2.
 
-    >>> m = ModelSpec(hidden_size=4096, num_hidden_layers=28, num_parameters=4_832_071_680)
-    >>> rows = plan_table(m, TrainingSpec(1, 480, 6, 1, 4096), [488, 800],
-    ...                   mem_limit_gib=120, max_micro_batch_size=32)
-    >>> [(r["world"], r["global_batch"], r["deviation_pct"]) for r in rows]
-    [(488, 2928, 1.67), (800, None, None)]
+    Args:
+        model: the model's sizes.
+        previous: the settings to stay near.
+        worlds: the world sizes, one row each.
+        replan_kwargs: :func:`~ckptd.elastic.replan`'s keyword arguments.
+
+    Returns:
+        The rows: dicts with ``world``, ``micro``, ``accum``, ``zero``, ``global_batch``,
+        ``deviation_pct``, ``state_gib``, ``activations_gib``, ``total_gib`` (None without a
+        plan) and ``reason`` (why there is none).
+
+    Raises:
+        InvalidSpec: bad arguments.
+
+    Example:
+        from ckptd import elastic
+
+        m = elastic.ModelSpec(hidden_size=4096, num_hidden_layers=28,
+                              num_parameters=4_832_071_680)
+        rows = elastic.plan_table(m, elastic.TrainingSpec(1, 480, 6, 1, 4096), [488, 800],
+                                  mem_limit_gib=120, max_micro_batch_size=32)
+        assert [(r["world"], r["global_batch"], r["deviation_pct"]) for r in rows] == [
+            (488, 2928, 1.67), (800, None, None)]
+        assert rows[1]["reason"]
     """
     plan = planner(model, previous, **replan_kwargs)
     rows: list[dict[str, Any]] = []
@@ -109,20 +138,44 @@ def plan_table(
 
 
 def render_json(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a JSON array (one object per world size), for ``ckptd plan --json``."""
+    """The rows as a JSON array (one object per world size), for ``ckptd plan --json``.
+
+    Args:
+        rows: :func:`plan_table`'s rows.
+
+    Returns:
+        The JSON text.
+
+    Example:
+        import json
+        from ckptd import elastic
+
+        rows = [{"world": 2, "global_batch": 6, "reason": None}]
+        assert json.loads(elastic.render_json(rows)) == rows
+    """
     return json.dumps(list(rows), indent=2)
 
 
 def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table; a world size without a plan shows its reason.
 
-    >>> print(render_markdown([{"world": 2, "micro": 1, "accum": 3, "zero": 1,
-    ...     "global_batch": 6, "deviation_pct": 0.0, "state_gib": 1.5,
-    ...     "activations_gib": 0.25, "total_gib": 1.75, "reason": None}]))
-    | world | micro | accum | ZeRO | global batch | deviation % | state GiB | activations GiB | total GiB | reason |
-    |---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|
-    | 2 | 1 | 3 | 1 | 6 | +0.00 | 1.500 | 0.250 | 1.750 |  |
-    """  # noqa: E501
+    Args:
+        rows: :func:`plan_table`'s rows.
+
+    Returns:
+        The table's text: a header, a rule and one line per row.
+
+    Example:
+        from ckptd import elastic
+
+        table = elastic.render_markdown([{
+            "world": 2, "micro": 1, "accum": 3, "zero": 1, "global_batch": 6,
+            "deviation_pct": 0.0, "state_gib": 1.5, "activations_gib": 0.25,
+            "total_gib": 1.75, "reason": None}])
+        header, rule, row = table.splitlines()
+        assert header.startswith("| world | micro | accum | ZeRO |")
+        assert row == "| 2 | 1 | 3 | 1 | 6 | +0.00 | 1.500 | 0.250 | 1.750 |  |"
+    """
     header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
     rule = "|" + "|".join(":---" if key == "reason" else "---:" for key, _ in COLUMNS) + "|"
     lines = [header, rule]

@@ -65,6 +65,18 @@ _JSON = (type(None), bool, int, float, str)
 class CkptdCheckpointIO(CheckpointIO):  # type: ignore[misc]  # lightning: untyped base
     """Lightning's ``CheckpointIO`` with ckptd underneath (see the module's doc).
 
+    Args:
+        async_save: ``save_checkpoint`` returns once the state is staged; the write and
+            commit go on in the background (``save_async``).
+        keep_last: committed steps kept under each path (1: the checkpoint Lightning asked
+            for; 0 keeps all).
+        compression: as ``Checkpointer(compression=)``: None, ``"zstd[:LEVEL]"`` or ``"auto"``.
+        storage_options: options for the storage backend (fsspec's, s3fs's).
+        allow_pickle: pickle the values JSON cannot hold (an ``argparse.Namespace`` among the
+            hyper-parameters) and unpickle them on load; without it they are refused, named.
+        agent: hand the writes to the node agent; None: ckptd's default (on in a launched
+            job).
+
     >>> trainer = Trainer(plugins=[CkptdCheckpointIO(async_save=True)])   # doctest: +SKIP
     """
 

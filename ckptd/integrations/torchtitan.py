@@ -69,7 +69,18 @@ _UNSET = b"\0ckptd: not in the checkpoint\0"
 
 
 class CkptdCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchtitan: untyped
-    """torchtitan's ``BaseCheckpointManager`` with ckptd underneath (see the module's doc)."""
+    """torchtitan's ``BaseCheckpointManager`` with ckptd underneath (see the module's doc).
+
+    Args:
+        config: torchtitan's checkpoint configuration, with ckptd's fields (``Config``:
+            ``async_mode``, ``trust_dcp``, ``agent``, ``compression``); ``folder`` is the
+            ckptd root, ``keep_latest_k`` its ``keep_last``, ``load_only`` makes it read-only.
+        dataloader, model_parts, optimizers, lr_schedulers, states: what torchtitan hands
+            every checkpoint manager: saved and loaded as the state tree's stateful objects.
+        sd_adapter: torchtitan's state-dict adapter (unused: Hugging Face export is
+            ``ckptd export --format safetensors``).
+        base_folder: the directory ``config.folder`` is relative to.
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):  # type: ignore[misc]

@@ -30,8 +30,32 @@ SOURCE_PLUGINS = "ckptd.sources"  # entry-point group of the load(source=...) re
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a load filled the state from: the step, its URL, the bytes read, the step's
-    ``training`` metadata, and how much of the manifest this rank decoded."""
+    """What a load filled the state from (``Checkpointer.load``, ``ckptd.load``).
+
+    Attributes:
+        step: the step loaded.
+        url: its directory (``ROOT/step-NNNNNNNNN``).
+        nbytes_read: bytes this rank read (stored size).
+        training: the step's ``training=`` metadata (JSON values; empty if none).
+        tensors_decoded: logical tensors whose chunk entries this rank decoded from the
+            manifest (format 3; 0 for older checkpoints).
+        frames_read: manifest frames this rank read.
+        nbytes_from_memory: of ``nbytes_read``, what this node's agent served from memory
+            (this node's own files).
+        nbytes_from_peer: of ``nbytes_read``, what other nodes' files memory served.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ckpt.save({"w": torch.ones(8)}, step=4, training={"epoch": 2})
+            result = ckpt.load({"w": torch.zeros(8)})
+        assert (result.step, result.training) == (4, {"epoch": 2})
+        assert result.nbytes_read == result.nbytes_from_storage + result.nbytes_from_memory \
+            + result.nbytes_from_peer
+    """
 
     step: int
     url: str
@@ -48,6 +72,7 @@ class LoadResult:
 
     @property
     def nbytes_from_storage(self) -> int:
+        """Of ``nbytes_read``, the bytes the storage served (not the node agents' memory)."""
         return self.nbytes_read - self.nbytes_from_memory - self.nbytes_from_peer
 
 

@@ -21,7 +21,25 @@ T = TypeVar("T")
 
 
 class Phase(enum.Enum):
-    """Where a save is (``SaveHandle.phase``)."""
+    """Where a save is (``SaveHandle.phase``).
+
+    Attributes:
+        STAGING: copying the state into host memory; the caller must not modify it.
+        STAGED: the bytes are in host memory and being written in the background.
+        COMMITTED: the step's ``manifest.json`` exists: it is a checkpoint.
+        FAILED: the save raised; the previous checkpoint is still the latest.
+        SKIPPED: dropped because earlier saves were still in flight (``on_busy="skip"``).
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            handle = ckpt.save_async({"w": torch.ones(2)}, step=1)
+            handle.result()
+            assert handle.phase is ckptd.Phase.COMMITTED
+    """
 
     STAGING = "staging"  # copying the state into host memory; the caller must not modify it
     STAGED = "staged"  # bytes are in host memory; being written in the background
@@ -49,6 +67,15 @@ class SaveResult:
         waited_s: seconds ``save_async`` waited for earlier saves to finish before staging
             this one (``max_inflight`` saves were in flight; ``on_busy="block"``); 0.0 when
             it did not wait. Also ``wait_s`` in the metrics line.
+
+    Example:
+        import tempfile
+        import torch
+        import ckptd
+
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            result = ckpt.save({"w": torch.ones(2)}, step=1)
+        assert result.step == 1 and not result.skipped and result.nbytes > 0
     """
 
     step: int
@@ -104,11 +131,20 @@ class SaveHandle(_Completed[SaveResult]):
             :attr:`SaveResult.waited_s`).
         handed_to: see :attr:`SaveResult.handed_to` (known before the commit).
 
-    Example::
+    Example:
+        import concurrent.futures
+        import tempfile
+        import threading
+        import torch
+        import ckptd
 
-        handle = ckptd.save_async(state)
-        handle.add_done_callback(lambda h: print("committed", h.result().step))
-        handle.result()              # SaveResult, once committed on every rank
+        with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            handle = ckpt.save_async({"w": torch.ones(2)}, step=1)
+            assert isinstance(handle, concurrent.futures.Future)
+            called = threading.Event()
+            handle.add_done_callback(lambda h: called.set())
+            assert handle.result(timeout=60).step == 1
+            assert called.wait(60)
     """
 
     def __init__(self, step: int, url: str) -> None:
@@ -133,22 +169,60 @@ class SaveHandle(_Completed[SaveResult]):
     # -- the consumer's side --
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state is staged (``save_async(..., overlap=True)``: call it before
-        modifying the state); raises the save's error if staging failed, and with
-        ``debug_overlap`` :class:`~ckptd.CorruptCheckpoint` when the state was modified too
-        early. ``handle.staged.result(timeout)`` without that check."""
+        modifying the state). ``handle.staged.result(timeout)`` without the check below.
+
+        Args:
+            timeout: seconds to wait; None: no limit.
+
+        Raises:
+            TimeoutError: not staged within ``timeout``.
+            CorruptCheckpoint: with ``debug_overlap``, the state was modified before it was
+                staged (naming the tensor).
+            CkptdError: staging failed (the save's error).
+
+        Example:
+            import tempfile
+            import torch
+            import ckptd
+
+            with ckptd.Checkpointer(tempfile.mkdtemp()) as ckpt:
+                w = torch.ones(2)
+                handle = ckpt.save_async({"w": w}, step=1, overlap=True)
+                handle.wait_staged()
+                w.zero_()  # safe now
+                handle.result()
+        """
         self.staged.result(timeout)
         for check in self._checks:
             check()
 
     def wait_safe(self, timeout: float | None = None) -> bool:
         """Wait until the save is committed, failed, or held by a peer's agent that writes it
-        (:attr:`handed_to`); False on timeout. The preemption path waits for this rather than
-        the commit: the process may be killed once its share is safe."""
+        (:attr:`handed_to`). The preemption path waits for this rather than the commit: the
+        process may be killed once its share is safe.
+
+        Args:
+            timeout: seconds to wait; None: no limit.
+
+        Returns:
+            True once safe (or failed: see :meth:`result`), False on timeout.
+        """
         return self._safe.wait(timeout)
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        """The :class:`SaveResult` once committed on every rank (raises the save's error;
-        ``TimeoutError`` after ``timeout`` seconds)."""
+        """The :class:`SaveResult` once the step is committed on every rank.
+
+        Args:
+            timeout: seconds to wait; None: no limit.
+
+        Returns:
+            This rank's :class:`SaveResult` (``skipped`` True for a dropped save).
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` (the save goes on).
+            CkptdError: the save failed (its error, with its class: ``StorageError``, ...);
+                it then counts as raised.
+        """
         try:
             return super().result(timeout)
         except BaseException:
@@ -157,7 +231,18 @@ class SaveHandle(_Completed[SaveResult]):
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The save's error (None if it committed); it then counts as raised."""
+        """The save's error, once done; it then counts as raised (the next ``save_async``,
+        ``wait`` or ``close`` does not raise it again).
+
+        Args:
+            timeout: seconds to wait; None: no limit.
+
+        Returns:
+            The exception, or None if the save committed (or was skipped).
+
+        Raises:
+            TimeoutError: not done within ``timeout``.
+        """
         error = super().exception(timeout)
         if error is not None:
             self._reported = True
