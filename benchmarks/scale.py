@@ -31,7 +31,13 @@ Figures are CPU seconds of this process (``time.process_time``), not wall:
   the check, the plan); peak Python-heap bytes (tracemalloc, in a further identical load) and
   peak RSS above the RSS before it (``VmHWM``, reset before; in the first load), manifest
   entries decoded, frames read;
-- full decode: what every rank paid before format 3 — every tensor's chunks and frames.
+- full decode: what every rank paid before format 3 — every tensor's chunks and frames;
+- what the loading rank reads and opens (its first load, a restart): bytes of
+  ``manifest.json`` it read (the loading Checkpointer's storage counts them; a simulated rank
+  has no process group, so it reads the manifest itself, as rank 0 of a job does: the other
+  ranks of a job with one get its bytes over the group and read none), the files it opened
+  (data files, frame tables, others), and the ``open`` calls its storage made for them,
+  directories included.
 
 Growth exponents are least-squares fits of log(cost) over log(W) over every world size >= 64
 (three at least, else none is printed).
@@ -252,6 +258,67 @@ class Held(LocalStorage):
         return held()
 
 
+class Counting(LocalStorage):
+    """A loading rank's storage: counts the bytes of ``manifest.json`` it reads, the files it
+    opens (each regular file opened, by path) and the ``open`` calls they cost (directories
+    walked on the way included)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reset()
+
+    def reset(self) -> None:
+        self.manifest_bytes, self.opens = 0, 0
+        self.files: list[str] = []
+
+    def kinds(self) -> dict[str, int]:
+        """Files opened: data files, frame tables, others (the manifest...)."""
+        data = sum(1 for p in self.files if "/data/" in p and not p.endswith(".frames"))
+        tables = sum(1 for p in self.files if p.endswith(".frames"))
+        return {"data_files": data, "table_files": tables,
+                "other_files": len(self.files) - data - tables}
+
+    def read_bytes(self, path: str) -> bytes:
+        out = super().read_bytes(path)
+        if path.endswith(L.MANIFEST):
+            self.manifest_bytes += len(out)
+        return out
+
+    def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+        out = super().read_ranges(path, ranges)
+        if path.endswith(L.MANIFEST):
+            self.manifest_bytes += sum(len(b) for b in out)
+        return out
+
+    def _open_file(self, path, flags, create_dirs=False):  # type: ignore[no-untyped-def]
+        self.files.append(path)
+        return super()._open_file(path, flags, create_dirs)
+
+
+def count_opens(storage: Counting, fn, *args, **kw):  # type: ignore[no-untyped-def]
+    """``fn(...)``, counting into ``storage.opens`` every file and directory a LocalStorage
+    opens meanwhile (its ``open_at`` and, where there is one, ``open_beneath``; the loads here
+    run alone: nothing else opens files)."""
+    import ckptd.storage.local as local
+
+    real = {n: getattr(local, n) for n in ("open_at", "open_beneath") if hasattr(local, n)}
+
+    def counting(f):  # type: ignore[no-untyped-def]
+        def counted(*a, **k):  # type: ignore[no-untyped-def]
+            fd = f(*a, **k)
+            storage.opens += fd is not None
+            return fd
+        return counted
+
+    for n, f in real.items():
+        setattr(local, n, counting(f))
+    try:
+        return fn(*args, **kw)
+    finally:
+        for n, f in real.items():
+            setattr(local, n, f)
+
+
 def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row:
     ps = params(MODELS[model], shrink)
     scale = shrink * shrink  # the element factor of a 2-d tensor
@@ -312,10 +379,15 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
     loads = []
     for target in sorted({max(1, world // 2), max(1, 3 * world // 4)}):
         rank = target // 2
+        counting = Counting(root)
         reader = ckptd.Checkpointer(root, rank=rank, world_size=target, read_only=True,
-                                    run_id=run_id, threads=1)
+                                    run_id=run_id, threads=1, storage=counting)
         dest = state_for(ps, layout_name, target, rank)
         runs, meta = [], []
+        counting.reset()
+        count_opens(counting, reader.load, dest, step=step)  # the first load: a restart
+        opened = {"manifest_read": counting.manifest_bytes, "open_calls": counting.opens,
+                  **counting.kinds()}
         _, load_rss = peak_rss(reader.load, dest, step=step)
         for _ in range(3):  # a noisy host: the median of three
             result, load_s = cpu(reader.load, dest, step=step)
@@ -329,7 +401,8 @@ def run(model: str, layout_name: str, world: int, shrink: int, root: str) -> Row
                       "metadata_cpu_s": statistics.median(meta), "peak_bytes": peak,
                       "peak_rss": load_rss,
                       "tensors_decoded": result.tensors_decoded,
-                      "frames_read": result.frames_read, "bytes_read": result.nbytes_read})
+                      "frames_read": result.frames_read, "bytes_read": result.nbytes_read,
+                      **opened})
     return Row(model, layout_name, world, len(ps) * 4, n_chunks, n_frames, manifest_bytes, tables,
                max(partial_sizes), sum(partial_sizes), save_all, coordinator, coordinator_rss,
                waited, learn, decode, loads)
@@ -355,19 +428,25 @@ def render(rows: list[Row]) -> str:
     out = ["| model, layout | W | tensors / chunks / frames | manifest (+ frame tables) | "
            "largest partial | coordinator input (every partial) | coordinator CPU (others' "
            "polls), RSS | learn committed (handle) | full decode | "
-           "load at W/2, 3W/4: CPU (of it metadata), peak heap, peak RSS, entries decoded |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "load at W/2, 3W/4: CPU (of it metadata), peak heap, peak RSS, entries decoded | "
+           "load at W/2, 3W/4 (one rank, first load): manifest bytes read, files opened "
+           "(data + frame tables + other), open calls |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         loads = "; ".join(
             f"W={d['world']}: {d['cpu_s'] * 1e3:.0f} ms ({d['metadata_cpu_s'] * 1e3:.0f} ms), "
             f"{d['peak_bytes'] / 2**20:.1f} MiB, {d['peak_rss'] / 2**20:.1f} MiB, "
             f"{d['tensors_decoded']}" for d in r.loads)
+        opens = "; ".join(
+            f"W={d['world']}: {mb(d['manifest_read'])}, {d['data_files']} + "
+            f"{d['table_files']} + {d['other_files']}, {d['open_calls']}" for d in r.loads)
         out.append(
             f"| {r.model}, {r.layout} | {r.world} | {r.tensors} / {r.chunks} / {r.frames} | "
             f"{mb(r.manifest_bytes)} (+{mb(r.tables_bytes)}) | {mb(r.partial_max_bytes)} | "
             f"{mb(r.coordinator_input_bytes)} | "
             f"{r.coordinator_s:.2f} s ({r.waiters_s:.2f} s), {r.coordinator_rss / 2**20:.0f} MiB | "
-            f"{r.learn_committed_s * 1e3:.1f} ms | {r.full_decode_s:.2f} s | {loads} |")
+            f"{r.learn_committed_s * 1e3:.1f} ms | {r.full_decode_s:.2f} s | {loads} | "
+            f"{opens} |")
     worlds = [r.world for r in rows if r.world >= 64]
     for name, key in (("coordinator input bytes", lambda r: r.coordinator_input_bytes),
                       ("coordinator CPU", lambda r: r.coordinator_s),

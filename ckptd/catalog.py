@@ -98,8 +98,14 @@ def read_raw(storage: Storage, step: int) -> bytes:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
+    return decode_manifest(storage, step, read_raw(storage, step))
+
+
+def decode_manifest(storage: Storage, step: int, raw: bytes) -> Manifest:
+    """``step``'s manifest from ``raw``, the bytes of its ``manifest.json`` (read here or by
+    another rank): its digest checked, its frame tables read from ``storage`` when asked."""
     where = _where(storage, step)
-    manifest = decode(read_raw(storage, step), where, FrameSource(
+    manifest = decode(raw, where, FrameSource(
         storage, layout.step_dir(step), f"{storage.url}/{layout.step_dir(step)}"))
     _check_step(manifest.step, step, where)
     return manifest

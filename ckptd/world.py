@@ -72,6 +72,40 @@ def from_rank0(compute: Callable[[], T]) -> T:
     return box[0]  # type: ignore[no-any-return]
 
 
+def shared_from_rank0(compute: Callable[[], T]) -> T:
+    """:func:`from_rank0` for a ``compute`` that may fail: when it raises on rank 0, rank 0
+    raises its error and every other rank raises the same one line — the same class when it
+    is one of ckptd's errors, else :class:`CkptdError` naming it — rather than wait for a
+    broadcast that never comes, or go on without the result (foreground only: a collective)."""
+    dist = _group()
+    if dist is None:
+        return compute()
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, compute())
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+            box[0] = (False, type(e).__name__, str(e))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if not box[0][0]:
+        raise _remote_error(box[0][1], box[0][2])
+    return box[0][1]  # type: ignore[no-any-return]
+
+
+def _remote_error(kind: str, message: str) -> CkptdError:
+    """Rank 0's error of class ``kind`` with ``message``, as another rank raises it."""
+    from ckptd import errors
+
+    cls: Any = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, CkptdError):
+        return cls(message)  # type: ignore[no-any-return]
+    return CkptdError(f"rank 0 failed: {kind}: {message}")
+
+
 def fail_together(
     error: BaseException | None, remote: Callable[[int, str, str], BaseException]
 ) -> None:

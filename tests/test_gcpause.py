@@ -28,7 +28,7 @@ def test_decoding_runs_with_the_collector_paused_and_it_comes_back_as_it_was(tmp
                                                                                monkeypatch):
     seen: list[tuple[str, bool]] = []
     _watch(monkeypatch, commit, "merge", seen)  # the coordinator's thousand partials
-    _watch(monkeypatch, catalog, "read_manifest", seen)  # a load's manifest
+    _watch(monkeypatch, catalog, "decode_manifest", seen)  # a load's manifest
     _watch(monkeypatch, step_reader, "load_into", seen)  # and its plan
     state = {f"w{i}": torch.full((64,), float(i)) for i in range(5)}
     # in process, whichever executor the suite runs: the merge watched is this process's
@@ -39,7 +39,7 @@ def test_decoding_runs_with_the_collector_paused_and_it_comes_back_as_it_was(tmp
     with ckptd.Checkpointer(str(tmp_path), read_only=True) as reader:
         seen.clear()
         reader.load(dst, step=1)
-        assert seen == [("read_manifest", False), ("load_into", False)] and gc.isenabled()
+        assert seen == [("decode_manifest", False), ("load_into", False)] and gc.isenabled()
         assert all(torch.equal(dst[k], state[k]) for k in state)
         gc.disable()
         try:

@@ -18,10 +18,10 @@ from typing import Any
 from ckptd import catalog, gcpause
 from ckptd.errors import CheckpointNotFound, CkptdError, CorruptCheckpoint
 from ckptd.loader.load import Strict, load_into
-from ckptd.manifest import layout
+from ckptd.manifest import Manifest, layout
 from ckptd.sharding import Described
 from ckptd.storage import Storage
-from ckptd.world import from_rank0
+from ckptd.world import from_rank0, shared_from_rank0
 
 log = logging.getLogger("ckptd")
 
@@ -88,7 +88,7 @@ class Reader:
     def load_step(self, described: Described, step: int, strict: Strict) -> LoadResult:
         with gcpause.paused():  # the decoded manifest's objects: see ckptd/gcpause.py
             cpu0 = time.thread_time()
-            manifest = catalog.read_manifest(self.storage, step)
+            manifest = self.read_manifest(step)
             nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
                                rank=self.rank, world_size=self.world_size, strict=strict,
                                pool=self.pool, metadata_since=cpu0)
@@ -98,6 +98,15 @@ class Reader:
                                 tensors_decoded=len(manifest.decoded), frames_read=frames)
             del manifest  # freed by reference counts, before the collector is back
         return result
+
+    def read_manifest(self, step: int) -> Manifest:
+        """``step``'s manifest, decoded. With a process group, rank 0 alone reads its bytes
+        from storage and one broadcast gives them to the other ranks (a restart of a thousand
+        ranks reads the file once, not a thousand times); a failure there (the file missing,
+        unreadable) is raised on every rank alike. Every rank checks the digest of the bytes
+        it holds as it decodes them."""
+        raw = shared_from_rank0(lambda: catalog.read_raw(self.storage, step))
+        return catalog.decode_manifest(self.storage, step, raw)
 
     def load_named(self, described: Described, step: int, strict: Strict) -> LoadResult:
         try:

@@ -10,14 +10,19 @@ import os
 import stat
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
 from ckptd.storage.base import Gate, Probe, Storage, blocks
-from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
+from ckptd.storage.posix import open_at, open_beneath, pread_all, rmtree_at, storage_error
 
 log = logging.getLogger("ckptd")
+
+# Directories a LocalStorage keeps open for reads: a load opens the files of one step (its data
+# directory, a few more), a catalog scan the step directories; more are closed oldest first
+READ_DIRS = 64
 
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
@@ -74,6 +79,10 @@ class LocalStorage(Storage):
         self._dirs: dict[tuple[str, ...], int] | None = None
         self._dirs_lock = threading.Lock()
         self._unsynced = threading.local()  # inside put_visible(): put_atomic without fsyncs
+        # the directories reads have walked, kept open (see _read_dir_fd), closed by close()
+        # or when the storage is collected
+        self._read_dirs = _DirCache(READ_DIRS)
+        weakref.finalize(self, self._read_dirs.clear)
 
     @contextlib.contextmanager
     def deferred_durability(self) -> Iterator[None]:
@@ -160,15 +169,70 @@ class LocalStorage(Storage):
             raise
         return fd
 
+    def _read_dir_fd(self, parts: list[str]) -> int:
+        """A descriptor of the directory ``root/parts`` for a read (the caller closes it), from
+        the directories reads have walked so far: each is opened once (``O_NOFOLLOW``, from
+        its parent's descriptor), not once per file (a load opens hundreds of files in a few
+        directories; on a shared filesystem every open is a metadata operation)."""
+        key = tuple(parts)
+        fd = self._read_dirs.dup(key)
+        if fd is not None:
+            return fd
+        if not parts:
+            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+        else:
+            parent = self._read_dir_fd(parts[:-1])
+            try:
+                fd = open_at(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, parent,
+                             os.path.join(self.root, *parts), False)
+            finally:
+                os.close(parent)
+        self._read_dirs.keep(key, fd)
+        return fd
+
+    def _open_read(self, parts: list[str], flags: int, path: str) -> int:
+        """Open a file for reading from the root's descriptor, kept open: in one ``openat2``
+        where the system has it (no link followed, nothing outside the root), else from its
+        directory's kept descriptor. :class:`_Removed` when a kept directory was removed."""
+        where = self._abs(path)
+        dfd = -1
+        try:
+            dfd = self._read_dir_fd([])
+            fd = open_beneath(dfd, "/".join(parts), flags, where)
+            if fd is not None:
+                return fd
+            if len(parts) > 1:
+                os.close(dfd)
+                dfd = -1
+                dfd = self._read_dir_fd(parts[:-1])
+            return open_at(parts[-1], flags, dfd, where, check_regular=True)
+        except FileNotFoundError as e:
+            if dfd < 0 or os.fstat(dfd).st_nlink == 0:  # a directory missing, or removed
+                raise _Removed from None  # since it was kept: the walk says which
+            raise FileNotFoundError(errno.ENOENT, "no such file", where) from e
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
+
+    def close(self) -> None:
+        """Close the directories kept open for reads (the storage stays usable: they are
+        opened again when needed)."""
+        self._read_dirs.clear()
+
     def _open_file(self, path: str, flags: int, create_dirs: bool = False) -> int:
         parts = self._parts(path)
         if not parts:
             raise StorageError(f"{self.root}: the root is not a file")
+        flags |= os.O_NOFOLLOW | os.O_NONBLOCK
+        if not create_dirs and not flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            try:
+                return self._open_read(parts, flags, path)
+            except _Removed:  # a kept directory was removed (and maybe made again) since
+                self._read_dirs.clear()
         try:
             dfd = self._dir_fd(parts[:-1], create_dirs)
             try:
-                return open_at(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, dfd,
-                             self._abs(path), check_regular=True)
+                return open_at(parts[-1], flags, dfd, self._abs(path), check_regular=True)
             finally:
                 os.close(dfd)
         except FileNotFoundError as e:  # name the whole path, not the last component
@@ -390,6 +454,7 @@ class LocalStorage(Storage):
         if not parts:
             raise StorageError(f"{self.root}: refusing to remove the checkpoint root")
         self._forget_dirs()  # a kept directory may be the one removed
+        self._read_dirs.clear()
         try:
             dfd = self._dir_fd(parts[:-1], create=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -408,6 +473,41 @@ class LocalStorage(Storage):
             raise storage_error(e, self._abs(path)) from e
         finally:
             os.close(dfd)
+
+
+class _Removed(Exception):
+    """A directory kept open for reads was removed since."""
+
+
+class _DirCache:
+    """Directory descriptors by path, at most ``limit`` (the oldest closed first); thread-safe.
+    Callers get a duplicate (``os.dup``: no filesystem operation) and close it themselves, so
+    one closed here meanwhile does not pull the directory from under them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._fds: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def dup(self, key: tuple[str, ...]) -> int | None:
+        with self._lock:
+            fd = self._fds.get(key)
+            return None if fd is None else os.dup(fd)
+
+    def keep(self, key: tuple[str, ...], fd: int) -> None:
+        """Keep a duplicate of ``fd`` (the caller keeps ``fd``)."""
+        with self._lock:
+            if key in self._fds:
+                return
+            self._fds[key] = os.dup(fd)
+            while len(self._fds) > self.limit:
+                os.close(self._fds.pop(next(iter(self._fds))))
+
+    def clear(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 class LocalReadSession:

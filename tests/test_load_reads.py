@@ -1,0 +1,162 @@
+"""What a loading rank reads and opens: with a process group rank 0 alone reads the step's
+``manifest.json`` and the others get its bytes over the group (a failure there is every rank's
+error, none waits forever); each rank opens the files it reads once, not a walk of the path per
+file (``docs/loading.md``)."""
+
+from __future__ import annotations
+
+import multirank
+import pytest
+import torch
+
+import ckptd
+import ckptd.storage.local as local
+from ckptd.manifest import layout
+from ckptd.storage.local import LocalStorage
+
+STEP = 7
+ROWS, COLS = 6, 9
+
+
+def _full() -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 1.5
+
+
+def _saved_state(rank: int, world: int) -> dict[str, object]:
+    rows = ROWS // world
+    return {"w": ckptd.Shard(_full()[rank * rows:(rank + 1) * rows].clone(), (ROWS, COLS),
+                             (rank * rows, 0)),
+            "b": ckptd.Shard(torch.tensor([1.0, -2.0, 3.0]), (3,), (0,), replica=rank,
+                             replicas=world),
+            "note": "hello"}
+
+
+class Counting(LocalStorage):
+    """Counts what a load reads: the bytes of manifest.json, and the files read from."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.manifest_bytes = 0
+        self.read_from: set[str] = set()
+
+    def read_bytes(self, path: str) -> bytes:
+        out = super().read_bytes(path)
+        self.read_from.add(path)
+        if path.endswith(layout.MANIFEST):
+            self.manifest_bytes += len(out)
+        return out
+
+    def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]
+        out = super().read_ranges(path, ranges)
+        self.read_from.add(path)
+        if path.endswith(layout.MANIFEST):
+            self.manifest_bytes += sum(len(b) for b in out)
+        return out
+
+    def open_read(self, paths):  # type: ignore[no-untyped-def]
+        self.read_from.update(paths)
+        return super().open_read(paths)
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every open a LocalStorage makes (files and the directories of its walks), by name."""
+    opened: list[str] = []
+    for name in ("open_at", "open_beneath"):
+        real = getattr(local, name, None)
+        if real is None:
+            continue
+
+        def counted(path, *a, _real=real, **k):  # type: ignore[no-untyped-def]
+            fd = _real(path, *a, **k)
+            if fd is not None:
+                opened.append(path)
+            return fd
+
+        monkeypatch.setattr(local, name, counted)
+    return opened
+
+
+def _save_and_load(rank: int, world: int, root: str, corrupt: bool) -> dict[str, object]:
+    with ckptd.Checkpointer(root, rank=rank, world_size=world) as ck:
+        ck.save(_saved_state(rank, world), step=STEP)
+    if corrupt and rank == 0:  # one flipped byte in the manifest's tail
+        path = f"{root}/{layout.manifest_path(STEP)}"
+        with open(path, "r+b") as f:
+            f.seek(-40, 2)
+            byte = f.read(1)
+            f.seek(-40, 2)
+            f.write(bytes([byte[0] ^ 0x55]))
+    torch.distributed.barrier()
+    cols = COLS // world  # a column slice: every rank reads from every rank's file
+    dest = {"w": ckptd.Shard(torch.zeros(ROWS, cols), (ROWS, COLS), (0, rank * cols)),
+            "b": torch.zeros(3), "note": ""}
+    storage = Counting(root)
+    with pytest.MonkeyPatch.context() as mp:
+        opened = _count_opens(mp)
+        error = None
+        try:
+            with ckptd.Checkpointer(root, rank=rank, world_size=world, read_only=True,
+                                    storage=storage) as ck:
+                ck.load(dest, step=STEP)
+        except ckptd.CkptdError as e:
+            error = f"{type(e).__name__}: {e}"
+    return {"manifest_bytes": storage.manifest_bytes, "read_from": sorted(storage.read_from),
+            "opened": opened, "error": error,
+            "exact": torch.equal(dest["w"].local, _full()[:, rank * cols:(rank + 1) * cols])
+            and torch.equal(dest["b"], torch.tensor([1.0, -2.0, 3.0]))
+            and dest["note"] == "hello"}
+
+
+def test_rank_0_alone_reads_the_manifest_and_every_rank_loads_bit_exact(tmp_path):
+    out = multirank.run(_save_and_load, 3, str(tmp_path / "root"), False, timeout=180)
+    assert [o["error"] for o in out] == [None] * 3
+    assert all(o["exact"] for o in out)
+    assert out[0]["manifest_bytes"] > 0
+    assert [o["manifest_bytes"] for o in out[1:]] == [0, 0]  # they got it over the group
+    assert all(layout.MANIFEST not in " ".join(o["read_from"]) for o in out[1:])
+
+
+def test_a_loading_rank_opens_the_files_it_reads_and_two_more(tmp_path):
+    out = multirank.run(_save_and_load, 3, str(tmp_path / "root"), False, timeout=180)
+    for rank, o in enumerate(out):
+        data = [p for p in o["read_from"] if "/data/" in p]
+        assert len(data) >= 3, (rank, o["read_from"])  # a column of every rank's rows
+        assert len(o["opened"]) <= len(o["read_from"]) + 2, (rank, o["read_from"], o["opened"])
+
+
+def test_a_corrupt_manifest_is_every_ranks_one_line_error(tmp_path):
+    out = multirank.run(_save_and_load, 3, str(tmp_path / "root"), True, timeout=180)
+    errors = [o["error"] for o in out]
+    assert errors[0] is not None and errors[0].startswith("CorruptCheckpoint: ")
+    assert layout.manifest_path(STEP) in errors[0] and "\n" not in errors[0]
+    assert errors == [errors[0]] * 3
+    assert [o["manifest_bytes"] for o in out[1:]] == [0, 0]
+    assert not any(o["exact"] for o in out)  # nothing was loaded
+
+
+def _rank_0_cannot_read(rank: int, world: int, root: str) -> str | None:
+    with ckptd.Checkpointer(root, rank=rank, world_size=world) as ck:
+        ck.save(_saved_state(rank, world), step=STEP)
+    torch.distributed.barrier()
+    storage = Counting(root)
+    if rank == 0:  # only rank 0 finds the manifest gone (another node's stale view, say)
+        storage.read_bytes = _missing  # type: ignore[method-assign]
+    dest = {"w": ckptd.Shard(torch.zeros(ROWS // world, COLS), (ROWS, COLS),
+                             (rank * ROWS // world, 0)), "b": torch.zeros(3), "note": ""}
+    try:
+        with ckptd.Checkpointer(root, rank=rank, world_size=world, read_only=True,
+                                storage=storage) as ck:
+            ck.load(dest, step=STEP)
+    except ckptd.CkptdError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _missing(path: str) -> bytes:
+    raise FileNotFoundError(2, "no such file", path)
+
+
+def test_rank_0_failing_to_read_the_manifest_fails_every_rank_alike(tmp_path):
+    out = multirank.run(_rank_0_cannot_read, 3, str(tmp_path / "root"), timeout=180)
+    assert out[0] is not None and out[0].startswith("CheckpointNotFound: ")
+    assert out == [out[0]] * 3
