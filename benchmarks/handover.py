@@ -79,7 +79,9 @@ def one_run(mode: str, state: common.State, rate: float, grace: float, base: str
             if mode == "peer":  # node b's agent, at the disk's speed, serving this root
                 on_b = AgentClient.connect(spec, threads=2, node="b", directory=agent_dir)
             with common.environ({"CKPTD_NODE_ID": "a", "CKPTD_AGENT_WRITE_RATE": str(rate)}):
-                ckpt = ckptd.Checkpointer(root, rank=0, world_size=1, agent=True, run_id="r")
+                # opened here: the agent it joins is the node's and the rate's of this block
+                ckpt = ckptd.Checkpointer(root, rank=0, world_size=1, agent=True,
+                                          run_id="r").open()
             try:
                 state.touch()
                 t0 = time.perf_counter()
