@@ -24,6 +24,18 @@ def _sim(url, world, run_id="job", **kw):
     ]
 
 
+def _uncommitted(root, state):  # type: ignore[no-untyped-def]
+    """``state`` saved as step 1 on two simulated ranks, then uncommitted (its manifest
+    removed): the Checkpointers, their storage and the path of rank 1's partial."""
+    cs = _sim(root, 2)
+    for h in [c.save_async(state, step=1) for c in cs]:
+        h.result()
+    storage = cs[0].storage
+    attempt = cs[0].read_manifest(1).attempt
+    storage.remove(L.manifest_path(1))
+    return cs, storage, L.partial_path(1, attempt, 1)
+
+
 def test_a_straggler_of_an_earlier_world_is_never_merged(tmp_path):
     url = str(tmp_path)
     # An old world of 2 ranks: only its rank 1 still runs and writes a partial for step 5.
@@ -145,14 +157,8 @@ def test_a_partial_of_version_1_naming_what_its_rank_holds_still_commits(tmp_pat
     from ckptd.manifest.schema import encode_doc
     from ckptd.writer import commit
 
-    cs = _sim(str(tmp_path), 2)
     state = {f"t{i}": torch.full((10,), float(i)) for i in range(8)}
-    for h in [c.save_async(state, step=1) for c in cs]:
-        h.result()
-    storage = cs[0].storage
-    attempt = cs[0].read_manifest(1).attempt
-    storage.remove(L.manifest_path(1))
-    path = L.partial_path(1, attempt, 1)
+    cs, storage, path = _uncommitted(str(tmp_path), state)
     doc = whole_doc(storage.read_bytes(path), path)
     [(_, count, _, wrote)] = doc.pop("replicated")
     del doc["partial"]
@@ -173,14 +179,7 @@ def test_a_tensor_held_by_a_rank_but_written_by_none_is_not_committed(tmp_path):
     from ckptd.manifest.parse import decode
     from ckptd.writer import commit
 
-    cs = _sim(str(tmp_path), 2)
-    hs = [c.save_async({"w": torch.ones(4)}, step=1) for c in cs]
-    for h in hs:
-        h.result()
-    storage = cs[0].storage
-    attempt = cs[0].read_manifest(1).attempt
-    storage.remove(L.manifest_path(1))
-    path = L.partial_path(1, attempt, 1)
+    cs, storage, path = _uncommitted(str(tmp_path), {"w": torch.ones(4)})
     p = decode(storage.read_bytes(path), path)
     storage.put_atomic(path, type(p)(**{**p.__dict__, "holds": ("ghost",)}).encode())
     with pytest.raises(ckptd.StateMismatch, match=r"ghost: held by rank 1 but saved by no rank"):
@@ -330,13 +329,7 @@ def test_a_partial_of_a_newer_version_is_refused_naming_the_file(tmp_path):
     from ckptd.manifest.schema import encode_doc
     from ckptd.writer import commit
 
-    cs = _sim(str(tmp_path), 2)
-    for h in [c.save_async({"w": torch.ones(4)}, step=1) for c in cs]:
-        h.result()
-    storage = cs[0].storage
-    attempt = cs[0].read_manifest(1).attempt
-    storage.remove(L.manifest_path(1))
-    path = L.partial_path(1, attempt, 1)
+    cs, storage, path = _uncommitted(str(tmp_path), {"w": torch.ones(4)})
     doc = whole_doc(storage.read_bytes(path), path)
     doc["partial"] = 3
     storage.put_atomic(path, encode_doc(doc))
