@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -82,10 +83,9 @@ def test_a_lightning_job_killed_on_2_processes_resumes_on_3_and_on_2_bit_exact(t
     try:
         for line in killed.stdout:
             lines.append(line)
-            if line.startswith("READY "):
-                workers.append(int(line.split()[1]))
-                if len(workers) == 2:
-                    break
+            workers += [int(pid) for pid in re.findall(r"READY (\d+)", line)]
+            if len(workers) == 2:
+                break
         else:
             pytest.fail("the job ended before it was killed:\n" + "".join(lines[-60:]))
     finally:  # torchrun starts each worker in a session of its own: every group, by its id
