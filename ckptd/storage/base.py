@@ -15,10 +15,10 @@ none (temp file + rename + directory fsync on a filesystem; a single PUT on an o
 ``write_file``'s ``gate`` (a writer's pace and stop: the node agent's) is called before each
 block the backend writes (``gate(nbytes)``); what it raises leaves the file unfinished.
 
-Eight methods are abstract; seven have a default that a backend overrides where it can do
+Eight methods are abstract; eight have a default that a backend overrides where it can do
 better: ``put_visible`` (atomic, not yet durable), ``probe`` (a waiter's cheap question
-whether some paths exist), ``open_read`` (a :class:`ReadSession`
-for one load), ``append_text``,
+whether some paths exist), ``watch`` (a waiter woken when a name appears), ``open_read``
+(a :class:`ReadSession` for one load), ``append_text``,
 ``poll_interval_s`` (the pauses of the commit protocol's polling), ``incomplete_uploads`` and
 ``abort_incomplete_uploads`` (invisible leftovers such as S3 multipart uploads, for
 ``ckptd gc``). A user's own object with only the eight methods (``Checkpointer(storage=...)``)
@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from ckptd import config
 from ckptd.buffers import Buffer
+from ckptd.storage.watch import Watch, no_watch
 
 Gate = Callable[[int], None]  # before each block of a data file: a writer's pace and stop
 Probe = Callable[[], list[bool]]  # whether each of the probed paths exists now (Storage.probe)
@@ -247,6 +248,13 @@ class Storage(ABC):
         than reading (an object store's request). By default None."""
         return contextlib.nullcontext(None)
 
+    def watch(self, dirs: Sequence[str]) -> contextlib.AbstractContextManager[Watch | None]:
+        """For a waiter between two polls: a :class:`~ckptd.storage.watch.Watch` that ends its
+        pause as soon as a name appears in one of ``dirs`` (those that exist now), or None
+        where the backend cannot tell (then the pause is a sleep). Only a hint: the waiter
+        still polls. By default None."""
+        return no_watch()
+
     def open_read(self, paths: Sequence[str]) -> ReadSession:
         """The data files of one load; by default, sizes and ranged reads."""
         return _RangeSession(self, paths)
@@ -304,6 +312,9 @@ class Delegating(Storage):
 
     def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
         return self.inner.probe(paths) if self._native else contextlib.nullcontext(None)
+
+    def watch(self, dirs: Sequence[str]) -> contextlib.AbstractContextManager[Watch | None]:
+        return self.inner.watch(dirs) if self._native else no_watch()
 
     def put_visible(self, path: str, data: bytes) -> None:
         if self._native:

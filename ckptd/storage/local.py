@@ -17,6 +17,7 @@ from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
 from ckptd.storage.base import Gate, Probe, Storage, blocks
 from ckptd.storage.posix import open_at, open_beneath, pread_all, rmtree_at, storage_error
+from ckptd.storage.watch import Watch, watching
 
 log = logging.getLogger("ckptd")
 
@@ -365,6 +366,21 @@ class LocalStorage(Storage):
             for fd in opened.values():
                 if fd is not None:
                     os.close(fd)
+
+    @contextlib.contextmanager
+    def watch(self, dirs: Sequence[str]) -> Iterator[Watch | None]:
+        """inotify on each directory of ``dirs`` that exists now, opened without following
+        links (:mod:`ckptd.storage.watch`)."""
+        fds: list[int] = []
+        try:
+            for d in dirs:
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    fds.append(self._walk(self._parts(d), False))
+            with watching(fds) as w:
+                yield w
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def append_text(self, path: str, text: str) -> None:
         """Append to a log-like file (metrics); not part of the storage contract."""

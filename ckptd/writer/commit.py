@@ -32,6 +32,7 @@ from ckptd.manifest import Manifest, decode, layout, merge
 from ckptd.manifest.envelope import open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
+from ckptd.storage.watch import Watch
 from ckptd.writer import exiting
 from ckptd.writer.group_store import GroupStore
 
@@ -57,7 +58,9 @@ class Poller:
     ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
     """
 
-    def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False) -> None:
+    def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False,
+                 watch: Watch | None = None) -> None:
+        self.watch = watch  # ends a pause when a name appears (Storage.watch), if it can
         self.first, self.longest = poll_interval(storage)
         self.idle_longest = max(self.longest, config.get().poll_idle_max_s)
         self.coordinating = coordinating  # which exit deadline applies (ckptd.writer.exiting)
@@ -79,7 +82,11 @@ class Poller:
         if now >= end:
             self.abandoned = end != self.deadline
             return False
-        exiting.pause(min(self.interval * _jitter.uniform(0.5, 1.0), end - now))
+        pause = min(self.interval * _jitter.uniform(0.5, 1.0), end - now)
+        if self.watch is None or exit_at is not None:
+            exiting.pause(pause)  # cut short when the process starts exiting on an error
+        else:
+            self.watch.wait(pause)  # cut short when what is waited for may have appeared
         longest = min(max(self.longest, (now - self.started) * PATIENCE), self.idle_longest)
         self.interval = min(self.interval * 2, longest)
         self.polls += 1
@@ -291,31 +298,11 @@ def coordinate(
     signals = signals or GroupStore(None)
     committed = False
     timeout_s = config.get().commit_timeout_s if timeout_s is None else timeout_s
+    d = layout.partials_dir(step, attempt)
     try:
-        poller = Poller(storage, timeout_s, coordinating=True)
-        d = layout.partials_dir(step, attempt)
-        while True:
-            names = storage.list_dir(d)
-            failure = _failure(storage, step, attempt, signals, names)
-            if failure is not None:
-                raise failure
-            present = [n for n in names if layout.is_partial(n)]
-            if len(present) >= world_size:
-                break
-            missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})
-            why = give_up(missing) if give_up is not None else None
-            if why is not None:
-                raise CkptdError(f"step {step}: ranks {missing} had not finished their share: "
-                                 f"{why}; not committed")
-            if not poller.wait():
-                if poller.abandoned:
-                    raise exiting.Abandoned(
-                        f"step {step}: ranks {missing} had not finished their share; stopped "
-                        f"waiting: {exiting.reason()}; not committed")
-                raise CkptdError(
-                    f"step {step}: ranks {missing} did not finish their share within "
-                    f"{timeout_s:.0f}s; not committed"
-                )
+        with storage.watch([d]) as watch:
+            _wait_partials(storage, step, attempt, world_size, signals, give_up,
+                           Poller(storage, timeout_s, coordinating=True, watch=watch), timeout_s)
         commit_partials(storage, read_partials(storage, step, attempt), run_id,
                         generation=generation, overwrite=overwrite)
         committed = True
@@ -325,6 +312,35 @@ def coordinate(
             # a rank's failure is already published; anything else is the commit's own
             record_failure(storage, signals, step, attempt, 0, e, share=False)
         raise
+
+
+def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
+                   signals: GroupStore, give_up: Callable[[list[int]], str | None] | None,
+                   poller: Poller, timeout_s: float) -> None:
+    """Until every rank's partial of ``attempt`` is present; a failure raised."""
+    d = layout.partials_dir(step, attempt)
+    while True:
+        names = storage.list_dir(d)
+        failure = _failure(storage, step, attempt, signals, names)
+        if failure is not None:
+            raise failure
+        present = [n for n in names if layout.is_partial(n)]
+        if len(present) >= world_size:
+            break
+        missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})
+        why = give_up(missing) if give_up is not None else None
+        if why is not None:
+            raise CkptdError(f"step {step}: ranks {missing} had not finished their share: "
+                             f"{why}; not committed")
+        if not poller.wait():
+            if poller.abandoned:
+                raise exiting.Abandoned(
+                    f"step {step}: ranks {missing} had not finished their share; stopped "
+                    f"waiting: {exiting.reason()}; not committed")
+            raise CkptdError(
+                f"step {step}: ranks {missing} did not finish their share within "
+                f"{timeout_s:.0f}s; not committed"
+            )
 
 
 def wait_committed(
@@ -337,7 +353,9 @@ def wait_committed(
     signals = signals or GroupStore(None)
     poller = Poller(storage, config.get().commit_timeout_s)
     paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
-    with storage.probe(paths) as probe:
+    # woken when the manifest appears (its failure is rare: learned at the polls' pace)
+    with storage.probe(paths) as probe, storage.watch([layout.step_dir(step)]) as watch:
+        poller.watch = watch
         while True:
             if signals.committed(attempt):
                 return

@@ -1,0 +1,158 @@
+"""Waking a waiter when a name appears in a directory: Linux inotify, for the commit protocol.
+
+The commit protocol's waits poll storage (the coordinator for the ranks' partials, every other
+rank for the manifest) with pauses that grow while they wait; a poll that just missed what it
+waits for learns it one pause later. Where the kernel can tell, a :class:`Watch` ends the pause
+as soon as a name is renamed or created into a watched directory — on a local filesystem, and
+on a shared one for what this node's processes write — so a tiny save costs its fsyncs, not its
+pauses. Polling stays the source of truth: the watch only ends a pause early (a change made by
+another node of a shared filesystem is not seen: a poll finds it), and where there is no inotify
+(another OS, the user's instance limit reached) the pause is a sleep as before.
+
+One inotify instance per process, read by one daemon thread (``ckptd-inotify``, blocked in
+``read`` while nothing happens) that counts the events of each watched directory: closing an
+instance costs the kernel ~10 ms (it waits for an RCU grace period), so a wait adds and removes
+a watch (microseconds) on an instance that stays open. A forked child makes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import struct
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+log = logging.getLogger("ckptd")
+
+_TEMP = b".tmp-"  # the temporary names of an atomic write (LocalStorage.put_atomic): not news
+_IN_MOVED_TO, _IN_CREATE, _IN_IGNORED, _IN_ONLYDIR = 0x80, 0x100, 0x8000, 0x01000000
+_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (struct inotify_event)
+
+
+class Watch(Protocol):
+    def wait(self, timeout_s: float) -> bool:
+        """Block until something appeared in a watched directory since the last call (True) or
+        ``timeout_s`` passed (False)."""
+        ...
+
+
+class _Notifier:
+    """The process's inotify instance and the thread that reads it."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)  # the libc this process already has
+        fd = self._libc.inotify_init1(os.O_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        self.fd, self.pid = fd, os.getpid()
+        self.cond = threading.Condition()
+        self.seen: dict[int, int] = {}  # wd -> events so far
+        self._refs: dict[int, int] = {}
+        threading.Thread(target=self._read, name="ckptd-inotify", daemon=True).start()
+
+    def add(self, dir_fd: int) -> int:
+        # the magic link names the directory this descriptor has open (opened without following
+        # links), wherever its path leads now
+        path = f"/proc/self/fd/{dir_fd}".encode()
+        with self.cond:
+            wd = self._libc.inotify_add_watch(self.fd, path, _IN_MOVED_TO | _IN_CREATE
+                                              | _IN_ONLYDIR)
+            if wd < 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            self._refs[wd] = self._refs.get(wd, 0) + 1  # the same directory: the same wd
+            self.seen.setdefault(wd, 0)
+            return int(wd)
+
+    def remove(self, wd: int) -> None:
+        with self.cond:
+            self._refs[wd] -= 1
+            if self._refs[wd] == 0:
+                del self._refs[wd], self.seen[wd]
+                self._libc.inotify_rm_watch(self.fd, wd)  # gone already (directory removed): -1
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.fd, 64 << 10)
+            except OSError as e:  # not expected; the waits go on polling
+                log.debug("ckptd: inotify read failed (%s); polling only", e)
+                return
+            woke = False
+            at = 0
+            with self.cond:
+                while at + _HEADER.size <= len(data):
+                    wd, mask, _, n = _HEADER.unpack_from(data, at)
+                    name = data[at + _HEADER.size: at + _HEADER.size + n]
+                    at += _HEADER.size + n
+                    if wd in self.seen and not mask & _IN_IGNORED and _TEMP not in name:
+                        self.seen[wd] += 1
+                        woke = True
+                if woke:
+                    self.cond.notify_all()
+
+
+_lock = threading.Lock()
+_notifier: _Notifier | None = None
+_failed = False
+
+
+def _get() -> _Notifier | None:
+    global _notifier, _failed
+    with _lock:
+        if _notifier is not None and _notifier.pid != os.getpid():
+            _notifier, _failed = None, False  # a forked child: the parent's thread is not here
+        if _notifier is None and not _failed:
+            try:
+                _notifier = _Notifier()
+            except (OSError, AttributeError) as e:  # EMFILE: fs.inotify.max_user_instances
+                log.debug("ckptd: no inotify for the commit waits (%s); polling only", e)
+                _failed = True
+        return _notifier
+
+
+class _Waiter:
+    def __init__(self, notifier: _Notifier, wds: list[int]) -> None:
+        self._n, self._wds = notifier, wds
+        with notifier.cond:
+            self._last = sum(notifier.seen[wd] for wd in wds)
+
+    def wait(self, timeout_s: float) -> bool:
+        n = self._n
+        with n.cond:
+            n.cond.wait_for(lambda: sum(n.seen[wd] for wd in self._wds) != self._last,
+                            max(timeout_s, 0.0))
+            now = sum(n.seen[wd] for wd in self._wds)
+            changed, self._last = now != self._last, now
+        return changed
+
+
+@contextlib.contextmanager
+def watching(dir_fds: Sequence[int]) -> Iterator[Watch | None]:
+    """A :class:`Watch` of the directories open as ``dir_fds`` (the caller keeps them open
+    meanwhile), or None where inotify is not available."""
+    notifier = _get() if dir_fds and sys.platform == "linux" else None
+    wds: list[int] = []
+    try:
+        if notifier is not None:
+            try:
+                for fd in dir_fds:
+                    wds.append(notifier.add(fd))
+            except OSError as e:  # ENOSPC: fs.inotify.max_user_watches
+                log.debug("ckptd: no inotify watch for a commit wait (%s); polling only", e)
+        yield _Waiter(notifier, wds) if notifier is not None and wds else None
+    finally:
+        for wd in wds:
+            assert notifier is not None
+            notifier.remove(wd)
+
+
+def no_watch() -> contextlib.AbstractContextManager[Watch | None]:
+    return contextlib.nullcontext(None)
+
+
+__all__ = ["Watch", "no_watch", "watching"]

@@ -1,0 +1,119 @@
+"""The commit protocol's waits end when what they wait for appears, not a pause later: on a
+filesystem a :class:`~ckptd.storage.watch.Watch` (inotify) cuts the pause between two polls
+short. The tests make every pause two minutes long, so only the watch can end a wait in time."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import config
+from ckptd.storage import watch
+from ckptd.storage.local import LocalStorage
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="inotify is Linux's")
+
+LONG = dict(poll_min_s=120.0, poll_max_s=120.0, poll_idle_max_s=120.0, commit_timeout_s=600.0)
+
+
+def _later(fn) -> threading.Thread:  # type: ignore[no-untyped-def]
+    t = threading.Thread(target=fn)
+    t.start()
+    return t
+
+
+def test_a_name_renamed_into_a_watched_directory_ends_the_wait(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d", "missing"]) as w:
+        assert w is not None
+        assert not w.wait(0.05)  # nothing new since the watch began
+        writer = _later(lambda: st.put_atomic("d/second", b"2"))
+        assert w.wait(60.0)
+        writer.join()
+        # a temporary name (an atomic write's first half) is not news
+        with open(tmp_path / "d" / "x.tmp-0123abcd", "wb"):
+            pass
+        assert not w.wait(0.1)
+    with st.watch(["missing"]) as w:
+        assert w is None  # nothing to watch: the waiter just polls
+
+
+def test_two_waits_on_one_directory_each_see_the_change(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d"]) as a, st.watch(["d"]) as b:
+        assert a is not None and b is not None
+        st.put_atomic("d/second", b"2")
+        assert a.wait(60.0) and b.wait(60.0)
+    with st.watch(["d"]) as c:  # the first two removed their watch; a third one still works
+        assert c is not None
+        st.put_atomic("d/third", b"3")
+        assert c.wait(60.0)
+
+
+def _child(root: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    st = LocalStorage(root)
+    with st.watch(["d"]) as w:
+        st.put_atomic("d/child", b"c")
+        out.put(w is not None and w.wait(60.0))
+
+
+def test_a_forked_child_watches_with_its_own_instance(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d"]) as w:  # the parent's instance and reader thread exist
+        assert w is not None
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        p = ctx.Process(target=_child, args=(str(tmp_path), out))
+        p.start()
+        assert out.get(timeout=120) is True
+        p.join(timeout=120)
+        assert p.exitcode == 0
+
+
+def _two_ranks(root: str) -> list[ckptd.Checkpointer]:
+    return [ckptd.Checkpointer(root, rank=r, world_size=2, run_id="job", agent=False)
+            for r in range(2)]
+
+
+def test_the_coordinator_and_a_waiting_rank_learn_at_once_with_two_minute_pauses(tmp_path):
+    cs = _two_ranks(str(tmp_path))
+    with config.override(**LONG):
+        # rank 0 first: its commit waits for rank 1's partial; then rank 1 waits for the commit
+        h0 = cs[0].save_async({"w": ckptd.Shard(torch.zeros(2), (4,), (0,))}, step=1)
+        h1 = cs[1].save_async({"w": ckptd.Shard(torch.ones(2), (4,), (2,))}, step=1)
+        h0.result(timeout=60)  # without the watch: a pause of 60-120 s, then TimeoutError
+        h1.result(timeout=60)
+    out = {"w": torch.full((4,), 7.0)}
+    with ckptd.Checkpointer(str(tmp_path), agent=False) as ck:
+        ck.load(out)
+    assert torch.equal(out["w"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    for c in cs:
+        c.close()
+
+
+def test_without_inotify_the_waits_poll_as_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(watch, "_notifier", None)
+    monkeypatch.setattr(watch, "_failed", True)  # as when the user's instances are used up
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d"]) as w:
+        assert w is None
+    cs = _two_ranks(str(tmp_path))
+    with config.override(poll_min_s=0.001, poll_max_s=0.01):
+        hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))},
+                           step=1) for r, c in enumerate(cs)]
+        for h in hs:
+            h.result(timeout=120)
+    assert cs[0].latest_step() == 1
+    for c in cs:
+        c.close()
+    assert os.path.exists(tmp_path / "step-000000001" / "manifest.json")
