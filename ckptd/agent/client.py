@@ -351,13 +351,26 @@ class AgentClient:
                 f.set_exception(self._lost)
 
 
+_said_long: set[str] = set()  # socket paths reached through their directory, said once
+
+
 def _try_connect(path: str) -> socket.socket | None:
+    """A connection to the agent socket at ``path``; None if none answers there.
+    :class:`~ckptd.agent.wire.SocketPathTooLong` if no address can reach it (before an agent
+    is started that could not listen there either)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
+        with wire.socket_address(path) as address:
+            sock.connect(address)
     except OSError:
         sock.close()
         return None
+    except BaseException:
+        sock.close()
+        raise
+    if path not in _said_long and wire.too_long_note(path):
+        _said_long.add(path)
+        log.info("ckptd: the node agent's socket %s%s", path, wire.too_long_note(path))
     return sock
 
 

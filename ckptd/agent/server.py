@@ -105,19 +105,21 @@ class Agent:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            listener.bind(self.paths["sock"])
+            with wire.socket_address(self.paths["sock"]) as address:
+                listener.bind(address)
         finally:
             os.umask(old)
         listener.listen(64)
         listener.settimeout(0.2)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
-        log.info("ckptd agent %d (ckptd %s, code %s) serving node %s at %s (budget %s bytes; "
+        log.info("ckptd agent %d (ckptd %s, code %s) serving node %s at %s%s (budget %s bytes; "
                  "leaves %d bytes of the node's memory and %d of /dev/shm free; gives a root's "
                  "steps back %.0f s after its last trainer, exits after %.0f idle s)",
                  os.getpid(), wire.identity()["version"], wire.identity()["code"], self.node,
-                 self.paths["sock"], self.holdings.budget, self.holdings.reserve,
-                 self.holdings.shm_reserve, self.upkeep.release_s, self.idle_exit_s)
+                 self.paths["sock"], wire.too_long_note(self.paths["sock"]),
+                 self.holdings.budget, self.holdings.reserve, self.holdings.shm_reserve,
+                 self.upkeep.release_s, self.idle_exit_s)
         pause = 0.0
         try:
             while not self.stopping.is_set():

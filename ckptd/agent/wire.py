@@ -20,6 +20,7 @@ trainer of other code saves in process (``docs/agent.md``, *An agent of another 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -30,10 +31,11 @@ import re
 import socket
 import stat
 import struct
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckptd import config
@@ -46,6 +48,68 @@ _HEADER = struct.Struct(">I")
 
 class Refused(CkptdError, PermissionError):
     """The agent (or its directory) is not this user's."""
+
+
+class SocketPathTooLong(CkptdError, ValueError):
+    """An agent socket's path that no Unix socket address can hold, even through its
+    directory (:func:`socket_address`)."""
+
+
+# The most bytes of a path a Unix socket address holds (sun_path, with its NUL: 108 on Linux,
+# 104 on the BSDs and macOS).
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+
+
+def _too_long(path: str) -> bool:
+    return len(os.fsencode(path)) > SOCKET_PATH_MAX
+
+
+def too_long_note(path: str) -> str:
+    """What :func:`socket_address` does with ``path``, for a log line ("" when nothing)."""
+    if not _too_long(path):
+        return ""
+    return (f" ({len(os.fsencode(path))} bytes, over the {SOCKET_PATH_MAX}-byte limit of a "
+            "socket address: reached through its directory's descriptor)")
+
+
+@contextlib.contextmanager
+def socket_address(path: str) -> Iterator[str]:
+    """``path`` as the address to bind or connect a Unix socket to, for the block: itself when
+    it fits (:data:`SOCKET_PATH_MAX`), else ``/proc/self/fd/<n>/<name>`` through a descriptor
+    ``n`` of its directory, open for the block — the kernel resolves it to the same file, in
+    the same private directory, and unlike a ``chdir`` it changes nothing the process's other
+    threads see. A deep ``$CKPTD_AGENT_DIR`` or ``$TMPDIR`` thus costs nothing.
+
+    Raises:
+        SocketPathTooLong: not even that fits, or ``/proc`` does not reach the directory (no
+            ``/proc``, another PID namespace's, not Linux): names the path, its length and
+            the setting to change.
+        OSError: the directory cannot be opened (it does not exist: no agent there).
+    """
+    if not _too_long(path):
+        yield path
+        return
+    size = f"{path}: a Unix socket path of {len(os.fsencode(path))} bytes, over the " \
+           f"{SOCKET_PATH_MAX}-byte limit of a socket address"
+    remedy = f"set {config.AGENT_DIR.name} to a shorter directory"
+    if not hasattr(os, "O_PATH"):
+        raise SocketPathTooLong(f"{size}: {remedy}")
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        short = f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+        if _too_long(short):
+            raise SocketPathTooLong(f"{size} even when reached through its directory: {remedy}")
+        try:
+            seen, opened = os.stat(os.path.dirname(short)), os.fstat(fd)
+            same = (seen.st_dev, seen.st_ino) == (opened.st_dev, opened.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            raise SocketPathTooLong(f"{size}, and /proc/self/fd does not reach its directory "
+                                    f"(is /proc mounted?): {remedy}")
+        yield short
+    finally:
+        os.close(fd)
 
 
 def check_root(url: Any) -> None:
@@ -130,10 +194,12 @@ class RateLog:
 def request(path: str, msg: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
     """One request to the agent listening at ``path`` and its reply, without a session's
     ``hello`` (``ckptd agent --status`` and ``--stop``: no torch to import). OSError if it
-    does not answer; :class:`Refused` if it is another user's."""
+    does not answer; :class:`Refused` if it is another user's; :class:`SocketPathTooLong` if
+    ``path`` cannot be reached (:func:`socket_address`)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
-        sock.connect(path)
+        with socket_address(path) as address:
+            sock.connect(address)
         uid, _ = peer_uid_pid(sock)
         if uid != os.getuid():
             raise Refused(f"{path}: the agent there is of uid {uid}, not {os.getuid()}")
@@ -325,7 +391,8 @@ def recv(sock: socket.socket, limit: int = MAX_MESSAGE,
     return msg
 
 
-__all__ = ["HEARTBEAT_S", "RateLog", "Refused", "agent_dir", "check_dir", "check_root",
-           "default_dir", "env_key", "environment", "error_of", "failure", "identity", "instance",
-           "lock_pid", "nesting", "node_agents", "node_id", "paths", "peer_uid_pid", "recv",
-           "request", "send", "take_lock"]
+__all__ = ["HEARTBEAT_S", "SOCKET_PATH_MAX", "RateLog", "Refused", "SocketPathTooLong",
+           "agent_dir", "check_dir", "check_root", "default_dir", "env_key", "environment",
+           "error_of", "failure", "identity", "instance", "lock_pid", "nesting", "node_agents",
+           "node_id", "paths", "peer_uid_pid", "recv", "request", "send", "socket_address",
+           "take_lock", "too_long_note"]

@@ -2,7 +2,7 @@
 node agent) end at a deadline instead of ``commit_timeout_s``.
 
 Two callers set it with :func:`begin`: a trainer's exit drain after an unhandled error
-(:mod:`ckptd.checkpointer`, ``error_exit_wait_s`` of ``ckptd.config``), and a stopping node
+(:mod:`ckptd.lifecycle`, ``error_exit_wait_s`` of ``ckptd.config``), and a stopping node
 agent when its SIGTERM grace window ends (:mod:`ckptd.agent.server`). The commit's polls
 (:class:`ckptd.writer.commit.Poller`: :func:`deadline`, :func:`pause`) and the wait for the node
 agent's reply (:func:`result`) wake at once when it is called, and end at their deadline with
