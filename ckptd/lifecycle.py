@@ -270,6 +270,10 @@ class Lifecycle:
         finally:
             self._io.shutdown(wait=True)
             _live.discard(self)
+            if self._open_args["own_storage"]:  # the directories it keeps open for reads
+                release = getattr(self.storage, "close", None)
+                if callable(release):
+                    release()
 
     def _check_open(self) -> None:
         if self._closed:

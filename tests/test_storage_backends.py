@@ -609,3 +609,33 @@ def test_deferred_durability_flushes_once_on_leaving_and_not_after_an_error(
         raise RuntimeError("a writer failed")
     assert calls["sync"] == 1  # nothing is made durable for a write that will not be used
     assert s.read_bytes("d/4.bin") == b"x" * 100 and s.read_bytes("e.bin") == b"y"
+
+
+def test_a_closed_checkpointer_keeps_no_directory_of_its_root_open(tmp_path) -> None:
+    # a user unmounts the filesystem after training: nothing of this process may hold it busy
+    import os
+
+    import torch
+
+    import ckptd
+
+    root = tmp_path / "root"
+
+    def held() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(root)):
+                out.append(target)
+        return out
+
+    with ckptd.Checkpointer(str(root), agent=False) as ck:
+        ck.save({"w": torch.ones(4)}, step=1)
+        out = {"w": torch.zeros(4)}
+        ck.load(out)  # a load keeps the directories it read from open for the next one
+        assert held()
+    assert held() == []
+    assert torch.equal(out["w"], torch.ones(4))

@@ -390,7 +390,19 @@ class Agent:
             if not self._root_jobs[job.root]:
                 del self._root_jobs[job.root]
             self._idle.notify_all()
+        self._release_dirs_when_idle()
         self.upkeep.used({job.root}, True)
+
+    def _release_dirs_when_idle(self) -> None:
+        """No trainer connected and no job running: the directories the storages keep open
+        for reads are closed (opened again when needed), so that an idle agent does not keep
+        a filesystem of its trainers' busy (``umount``) for its idle minutes."""
+        with self._lock:
+            storages = [] if self._sessions or self._busy else list(self._storages.values())
+        for st in storages:
+            release = getattr(st, "close", None)
+            if callable(release):
+                release()
 
     def give_up(self, spec: dict[str, Any], job: JobKey) -> Callable[[list[int]], str | None]:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot
@@ -402,6 +414,7 @@ class Agent:
         with self._lock:
             self._sessions.discard(session)
             self._idle.notify_all()
+        self._release_dirs_when_idle()
         self.upkeep.used({session.root} if session.root else set(), True)
 
 
