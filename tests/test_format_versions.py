@@ -75,3 +75,31 @@ def test_the_head_and_the_whole_document_of_a_manifest_of_format_4():
     assert [c["box"] for c in w["chunks"]] == [[[0, 0], [3, 8]], [[3, 0], [3, 8]]]
     assert [(c.box.offsets, c.rank, c.length, c.codec) for c in whole.tensors["model/w"].chunks
             ] == [((0, 0), 0, 96, "zstd-planes"), ((3, 0), 1, 96, "zstd-planes")]
+
+
+def test_a_checkpoint_of_format_4_reshards_offline_and_exports(tmp_path, capsys):
+    """The offline reshard and the safetensors export read a version-4 manifest; the reshard
+    writes one of today's version."""
+    out = str(tmp_path / "resharded")
+    assert cli_main(["reshard", FORMAT4, "--to-world", "3", "--out", out]) == 0
+    with open(os.path.join(out, L.manifest_path(5)), "rb") as f:
+        assert json.loads(f.read())["version"] == 5
+    for rank in range(3):
+        dst = _format4_dest()
+        with ckptd.Checkpointer(out, rank=rank, world_size=3, read_only=True) as c:
+            assert c.load(dst, strict=False).step == 5
+        model = dst["model"]
+        assert isinstance(model, dict)
+        assert torch.equal(model["w"], torch.arange(48.0).reshape(6, 8))
+        assert torch.equal(model["e"], torch.arange(6, dtype=torch.bfloat16))
+    hf = tmp_path / "hf"
+    assert cli_main(["export", FORMAT4, "--format", "safetensors", "--out", str(hf),
+                     "--select", "model/*", "--strip-prefix", "model/", "--no-config"]) == 0
+    capsys.readouterr()
+    from safetensors.torch import load_file
+
+    [file] = list(hf.glob("*.safetensors"))
+    got = load_file(str(file))
+    assert sorted(got) == ["b", "e", "w"]
+    assert torch.equal(got["w"], torch.arange(48.0).reshape(6, 8))
+    assert torch.equal(got["b"], torch.full((4,), 0.5))
