@@ -9,10 +9,12 @@ import shutil
 
 import pytest
 import torch
+from manifest_doc import file_of, row, set_file
 
 import ckptd
 from ckptd.manifest import layout as L
 from ckptd.manifest.parse import whole_doc
+from ckptd.manifest.rows import AT
 from ckptd.manifest.schema import encode_doc
 
 
@@ -106,26 +108,27 @@ def test_future_version_is_refused_with_a_clear_message(saved):
 
 def test_flipped_byte_in_a_data_file_names_file_and_tensor(saved):
     with open(_manifest(saved)) as f:
-        chunk = json.load(f)["tensors"]["model/w"]["chunks"][0]
-    path = os.path.join(saved, L.step_dir(2), chunk["file"])
+        doc = json.load(f)
+    chunk_file, offset = file_of(doc, row(doc, "model/w")), row(doc, "model/w")[AT["offset"]]
+    path = os.path.join(saved, L.step_dir(2), chunk_file)
     with open(path, "r+b") as f:
-        f.seek(chunk["offset"] + 17)
+        f.seek(offset + 17)
         byte = f.read(1)
-        f.seek(chunk["offset"] + 17)
+        f.seek(offset + 17)
         f.write(bytes([byte[0] ^ 0x01]))
     dst = _dest()
     with pytest.raises(ckptd.CorruptCheckpoint) as err:
         _load(saved, dst)
-    assert "model/w" in str(err.value) and chunk["file"] in str(err.value)
+    assert "model/w" in str(err.value) and chunk_file in str(err.value)
     assert "checksum mismatch" in str(err.value)
     assert _untouched(dst)
 
 
 def test_truncated_data_file_is_corrupt(saved):
     with open(_manifest(saved)) as f:
-        chunk = json.load(f)["tensors"]["model/w"]["chunks"][0]
-    path = os.path.join(saved, L.step_dir(2), chunk["file"])
-    os.truncate(path, chunk["offset"] + 10)
+        doc = json.load(f)
+    path = os.path.join(saved, L.step_dir(2), file_of(doc, row(doc, "model/w")))
+    os.truncate(path, row(doc, "model/w")[AT["offset"]] + 10)
     dst = _dest()
     with pytest.raises(ckptd.CorruptCheckpoint, match="model/w"):
         _load(saved, dst)
@@ -138,7 +141,7 @@ def test_truncated_data_file_is_corrupt(saved):
 )
 def test_a_path_escaping_the_checkpoint_directory_is_refused(saved, evil):
     def poison(doc):
-        doc["tensors"]["model/b"]["chunks"][0]["file"] = evil
+        set_file(doc, row(doc, "model/b"), evil)
 
     _rewrite_manifest(saved, poison)
     dst = _dest()
@@ -147,12 +150,23 @@ def test_a_path_escaping_the_checkpoint_directory_is_refused(saved, evil):
     assert _untouched(dst)
 
 
-def test_chunk_length_lying_about_its_box_is_corrupt(saved):
-    _rewrite_manifest(saved, lambda d: d["tensors"]["model/b"]["chunks"][0].update(length=4))
-    dst = _dest()
-    with pytest.raises(ckptd.CorruptCheckpoint, match="model/b"):
-        _load(saved, dst)
-    assert _untouched(dst)
+def test_chunk_length_lying_about_its_box_is_corrupt(tmp_path):
+    """Chunks of version 4 state their length (a row of version 5 has none: a reader derives
+    it from the box): one that does not match its box is refused, naming the tensor."""
+    root = str(tmp_path / "format4")
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "format4"), root)
+    path = os.path.join(root, L.manifest_path(5))
+    with open(path, "rb") as f:
+        doc = whole_doc(f.read(), "test")
+    doc["tensors"]["model/b"]["chunks"][0]["length"] = 4
+    with open(path, "wb") as f:
+        f.write(encode_doc(doc))
+    dst = {"model": {"b": torch.full((4,), -1.0)}}
+    with pytest.raises(ckptd.CorruptCheckpoint, match=r"manifest.json: model/b: malformed chunk "
+                                                      r".*4 elements claims 4 bytes"):
+        with ckptd.Checkpointer(root, read_only=True) as c:
+            c.load(dst, strict=False)
+    assert torch.equal(dst["model"]["b"], torch.full((4,), -1.0))
 
 
 def test_destination_with_a_missing_key_is_a_mismatch(saved):

@@ -331,13 +331,13 @@ def test_a_partial_of_a_newer_version_is_refused_naming_the_file(tmp_path):
 
     cs, storage, path = _uncommitted(str(tmp_path), {"w": torch.ones(4)})
     doc = whole_doc(storage.read_bytes(path), path)
-    doc["partial"] = 3
+    doc["partial"] = 4
     storage.put_atomic(path, encode_doc(doc))
     with pytest.raises(ckptd.CorruptCheckpoint,
-                       match=r"00001.json: malformed manifest .*partial version 3: this reader "
-                             r"knows 1 to 2"):
+                       match=r"00001.json: malformed manifest .*partial version 4: this reader "
+                             r"knows 1 to 3"):
         decode(storage.read_bytes(path), path)
-    with pytest.raises(ckptd.CorruptCheckpoint, match=r"partial version 3"):
+    with pytest.raises(ckptd.CorruptCheckpoint, match=r"partial version 4"):
         commit.finalize(storage, 1)
     for c in cs:
         c.close()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from manifest_doc import file_of, frames_of, length_of, row, set_codec, set_file
 
 import ckptd
 from ckptd import catalog, config
@@ -22,6 +23,7 @@ from ckptd.loader.verify import verify
 from ckptd.manifest import layout as L
 from ckptd.manifest.envelope import seal
 from ckptd.manifest.parse import decode, whole_doc
+from ckptd.manifest.rows import AT
 from ckptd.manifest.schema import encode_doc
 from ckptd.storage.local import LocalStorage
 
@@ -97,24 +99,25 @@ def _both_refuse(root, pattern: str) -> None:
 
 # ----------------------------------------------------------------------------- frame tables
 def _set_frames(root, doc, chunk, frames) -> None:
-    """Point ``chunk`` at a new, well-signed frame table slice holding ``frames`` (``[stored,
-    hex checksum]`` pairs): what an adversary who rewrites the table and the manifest can do."""
+    """Point ``chunk`` (a row) at a new, well-signed frame table slice holding ``frames``
+    (``[stored, hex checksum]`` pairs): what an adversary who rewrites the table and the
+    manifest can do."""
     from ckptd.manifest.frames import FrameTable, table_file
 
-    blob, [(first, count, digest)] = table_file([FrameTable.from_json(frames)])
+    blob, [(first, _, digest)] = table_file([FrameTable.from_json(frames)])
     name = f"data/{doc['attempt']}/evil{len(doc['tables'])}.frames"
     with open(os.path.join(root, L.step_dir(doc["step"]), name), "wb") as f:
         f.write(blob)
     doc["tables"].append(name)
-    chunk["frames"] = [len(doc["tables"]) - 1, first, count, digest]
+    chunk[AT["table"]], chunk[AT["first"]], chunk[AT["digest"]] = (
+        len(doc["tables"]) - 1, first, digest)
 
 
-def _frames_of(root, doc, chunk) -> list[list]:
+def _frames_of(root, doc, tensor, chunk) -> list[list]:
     """``chunk``'s frames as ``[stored, hex checksum]`` pairs, from its table slice."""
     from ckptd.manifest.frames import FrameRef, parse_slice
 
-    t, first, count, digest = chunk["frames"]
-    ref = FrameRef(doc["tables"][t], first, count, digest)
+    ref = FrameRef(*frames_of(doc, tensor, chunk))
     lo, n = ref.byte_range
     with open(os.path.join(root, L.step_dir(doc["step"]), ref.table), "rb") as f:
         f.seek(lo)
@@ -123,13 +126,13 @@ def _frames_of(root, doc, chunk) -> list[list]:
 
 def test_raw_frames_of_the_wrong_sizes_are_refused_by_load_and_verify(root):
     def uneven(doc):  # [L/4, 3L/4] with frame_bytes L/2; checksums of those very bytes
-        chunk = doc["tensors"]["b"]["chunks"][0]
-        data = open(os.path.join(root, L.step_dir(1), chunk["file"]), "rb").read()
-        lo, n = chunk["offset"], chunk["length"]
+        chunk = row(doc, "b")
+        data = open(os.path.join(root, L.step_dir(1), file_of(doc, chunk)), "rb").read()
+        lo, n = chunk[AT["offset"]], length_of(doc, "b", chunk)
         import xxhash
 
         first, second = data[lo : lo + n // 4], data[lo + n // 4 : lo + n]
-        chunk["frame_bytes"] = n // 2
+        chunk[AT["frame_bytes"]] = n // 2
         _set_frames(root, doc, chunk, [[len(first), xxhash.xxh3_64_hexdigest(first)],
                                        [len(second), xxhash.xxh3_64_hexdigest(second)]])
 
@@ -140,10 +143,10 @@ def test_raw_frames_of_the_wrong_sizes_are_refused_by_load_and_verify(root):
 
 def test_a_raw_chunk_claiming_one_frame_of_half_its_length_is_refused_before_any_copy(root):
     def half(doc):
-        chunk = doc["tensors"]["b"]["chunks"][0]
-        chunk["frame_bytes"] = chunk["length"]
-        checksum = _frames_of(root, doc, chunk)[0][1]
-        _set_frames(root, doc, chunk, [[chunk["length"] // 2, checksum]])
+        chunk = row(doc, "b")
+        checksum = _frames_of(root, doc, "b", chunk)[0][1]
+        chunk[AT["frame_bytes"]] = n = length_of(doc, "b", chunk)
+        _set_frames(root, doc, chunk, [[n // 2, checksum]])
 
     _tamper(root, half)
     _both_refuse(root, r"b: malformed frame table .*raw frame 0 stores 8192 bytes for 16384")
@@ -151,12 +154,12 @@ def test_a_raw_chunk_claiming_one_frame_of_half_its_length_is_refused_before_any
 
 def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root):
     def compressed_and_huge(doc):  # zstd frames may be larger than raw; not past the file
-        chunk = doc["tensors"]["a"]["chunks"][0]
-        chunk["codec"] = "zstd"
-        frames = _frames_of(root, doc, chunk)
+        chunk = row(doc, "a")
+        set_codec(doc, chunk, "zstd")
+        frames = _frames_of(root, doc, "a", chunk)
         frames[-1][0] = 2 * 4096 + 4096  # the largest stored size allowed
         _set_frames(root, doc, chunk, frames)
-        chunk["offset"] = (1 << 40)  # a terabyte into a 32 KiB file
+        chunk[AT["offset"]] = (1 << 40)  # a terabyte into a 32 KiB file
 
     _tamper(root, compressed_and_huge)
     tracemalloc.start()
@@ -175,20 +178,27 @@ def test_a_frame_past_the_end_of_its_file_is_refused_without_allocating_it(root)
     [
         ("offset", 1 << 63, r"outside \[0, 4611686018427387904\]"),
         ("offset", -16, r"-16 is outside"),
-        ("frame_bytes", 1 << 62, r"frames for 16384 bytes"),
+        # one frame for the whole chunk: the run of the table it names is 1 frame, not 4
+        ("frame_bytes", 1 << 62, r"a: .*frame table slice at frame 0 does not match its digest"),
         ("file", "data/x\u0000y.bin", r"escapes the checkpoint directory"),
-        ("box", [[0], [-4]], r"-4 is outside"),
+        ("sizes", [-4], r"-4 is outside"),
     ],
 )
 def test_absurd_numbers_and_names_are_corrupt_checkpoints(root, field, value, reason):
-    _tamper(root, lambda d: d["tensors"]["a"]["chunks"][0].update({field: value}))
+    def absurd(doc):
+        if field == "file":
+            set_file(doc, row(doc, "a"), value)
+        else:
+            row(doc, "a")[AT[field]] = value
+
+    _tamper(root, absurd)
     _both_refuse(root, reason)
 
 
 def test_absurd_frame_sizes_are_corrupt_checkpoints(root):
     def huge(doc):
-        chunk = doc["tensors"]["a"]["chunks"][0]
-        chunk["codec"] = "zstd"
+        chunk = row(doc, "a")
+        set_codec(doc, chunk, "zstd")
         _set_frames(root, doc, chunk, [[1 << 62, "0" * 16]] * 4)
 
     _tamper(root, huge)
@@ -303,7 +313,8 @@ def test_retention_never_deletes_through_a_symlinked_step(tmp_path):
 
 
 def test_a_data_file_linking_outside_the_root_is_refused(root, tmp_path):
-    chunk_file = json.loads(open(_path(root), "rb").read())["tensors"]["a"]["chunks"][0]["file"]
+    doc = json.loads(open(_path(root), "rb").read())
+    chunk_file = file_of(doc, row(doc, "a"))
     inside = os.path.join(root, L.step_dir(1), chunk_file)
     copy = tmp_path / "copy.bin"
     copy.write_bytes(open(inside, "rb").read())  # identical bytes: checksums would pass
@@ -320,7 +331,8 @@ def test_a_manifest_linking_to_dev_zero_is_refused_at_once(root):
 
 
 def test_a_fifo_named_like_a_data_file_never_hangs(root):
-    chunk_file = json.loads(open(_path(root), "rb").read())["tensors"]["a"]["chunks"][0]["file"]
+    doc = json.loads(open(_path(root), "rb").read())
+    chunk_file = file_of(doc, row(doc, "a"))
     inside = os.path.join(root, L.step_dir(1), chunk_file)
     os.unlink(inside)
     os.mkfifo(inside)

@@ -1,5 +1,6 @@
 """The on-disk format: the manifest's schema (``schema``), its envelope (digest, size limit,
-strict JSON: ``envelope``), reading it back (``parse``), frame tables (``frames``), frame codecs
+strict JSON: ``envelope``), reading it back (``parse``; a chunk's row: ``rows``; the checks of
+fields they share: ``fields``), frame tables (``frames``), frame codecs
 and checksums (``codecs``), merging rank partials and the coverage check (``merge``) and where
 things live under a root (``layout``).
 

@@ -26,9 +26,10 @@ from ckptd.errors import CorruptCheckpoint
 FORMAT = "ckptd"
 # 1: JSON; 2: the same, sealed with a digest of its own bytes; 3: frame sizes and checksums in
 # binary tables beside the data, and an index that lets a reader parse only the tensors it
-# needs; 4: bytes and tuples among the values, by path in ``types`` (manifest/values.py). Older
-# versions still load
-VERSION = 4
+# needs; 4: bytes and tuples among the values, by path in ``types`` (manifest/values.py); 5:
+# each chunk a row indexing the head's ``files``, ``codecs`` and ``tables`` (manifest/rows.py).
+# Older versions still load
+VERSION = 5
 
 # A manifest's digest covers its own bytes: ``{"digest":"xxh3_64:<16 hex>",...}`` hashed with the
 # 16 hex digits set to "0". It sits at a fixed place so a reader checks it before it parses

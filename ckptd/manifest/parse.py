@@ -18,7 +18,6 @@ import contextlib
 import functools
 import json
 import math
-import posixpath
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +25,13 @@ from typing import Any
 
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
-from ckptd.manifest import codecs
+from ckptd.manifest import codecs, rows
 from ckptd.manifest import values as typed
 from ckptd.manifest.envelope import MAX_INT, check_version, lead_digest, parse_json, split_doc
+from ckptd.manifest.fields import integer as _int
+from ckptd.manifest.fields import integers as _ints
+from ckptd.manifest.fields import plain_name as _name
+from ckptd.manifest.fields import safe_relpath as _safe_relpath
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
 from ckptd.manifest.schema import (
     LOCAL_PREFIX,
@@ -49,6 +52,10 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     doc = {k: v for k, v in doc.items() if k not in ("digest", "tail", "lead", "nbytes")}
     if tail_at is not None:
         chunks = parse_json(raw[tail_at:-1], where)
+        if "index" not in doc:  # a partial of version 3: [dtype, shape, chunks] in the tail
+            doc["tensors"] = {n: {"dtype": e[0], "shape": e[1], "chunks": e[2]}
+                              for n, e in chunks.items()}
+            return doc
         index = doc.pop("index")
         doc["tensors"] = {n: {"dtype": index[n][0], "shape": index[n][1],
                               "chunks": chunks[n]["chunks"]} for n in index}
@@ -71,18 +78,20 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor. In format 3 the tensors'
     chunks are parsed (and checked) when first used, or all at once with ``eager`` (one JSON
-    parse: the coordinator's merge uses every chunk of every partial); ``frames`` reads their
-    frame tables."""
+    parse: the coordinator's merge uses every chunk of every partial; a partial of version 3
+    has no index, and is always parsed whole); ``frames`` reads their frame tables."""
     doc, tail_at = split_doc(raw, where)
     with _fields(where):
         decoded: set[str] = set()
         if tail_at is None:
             tensors = {name: _tensor(name, t, where)
                        for name, t in _object(doc["tensors"], "tensors").items()}
+        elif _indexless(doc):
+            tensors = _whole_partial(raw, tail_at, doc, where)
         else:
             tensors = _index(raw, tail_at, doc, where, decoded)
             if eager:
-                tensors = _parsed(raw, tail_at, tensors, doc["tables"], where)
+                tensors = _parsed(raw, tail_at, tensors, _refs(doc, where), where)
         values, tuples, locals_ = typed.decode(
             dict(doc.get("values", {})),
             {str(k): dict(v) for k, v in doc.get("locals", {}).items()},
@@ -208,9 +217,9 @@ def _index_entries(doc: dict[str, Any]) -> dict[str, list[Any]]:
     return index
 
 
-def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: set[str],
-           ) -> dict[str, TensorEntry]:
-    """Format 3: the tensors of the head's index, each parsing its chunks on first use."""
+def _refs(doc: dict[str, Any], where: str) -> list[str] | rows.Lists:
+    """What the chunks of a format-3 head refer to: its frame tables (versions 3 and 4), and
+    from version 5 on (chunk rows) its files and codecs too."""
     tables = doc["tables"]
     if not isinstance(tables, list):
         raise TypeError("'tables' is not a list")
@@ -218,6 +227,52 @@ def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: s
         _safe_relpath(t, where, "frame table")
         if not t.endswith(".frames"):
             raise CorruptCheckpoint(f"{where}: frame table {t!r} is not a .frames file")
+    return rows.lists(doc, tables) if doc["version"] >= 5 else tables
+
+
+def _partial_version(doc: dict[str, Any]) -> int:
+    version = doc.get("partial", 1)
+    if type(version) is not int or not 1 <= version <= PARTIAL_VERSION:
+        raise ValueError(f"partial version {version!r}: this reader knows 1 to {PARTIAL_VERSION}"
+                         " (written by a newer ckptd?)")
+    return version
+
+
+def _indexless(doc: dict[str, Any]) -> bool:
+    """Whether ``doc`` is the head of a partial of version 3 (no index: :func:`_whole_partial`)."""
+    version = _partial_version(doc) if "rank" in doc else 1
+    if version < 3:
+        return False
+    if doc["version"] < 5 or "index" in doc:
+        raise ValueError(f"a partial of version {version} in a manifest of version "
+                         f"{doc['version']}{' with an index' if 'index' in doc else ''}")
+    return True
+
+
+def _whole_partial(raw: bytes, tail_at: int, doc: dict[str, Any], where: str,
+                   ) -> dict[str, TensorEntry]:
+    """A partial of version 3: every tensor ``[dtype, shape, rows]`` in the tail, parsed at
+    once."""
+    refs = _refs(doc, where)
+    body = parse_json(raw[tail_at:-1], where)
+    if not isinstance(body, dict):
+        raise CorruptCheckpoint(f"{where}: 'tensors' is not an object")
+    out = {}
+    for name, entry in body.items():
+        if not (type(entry) is list and len(entry) == 3):
+            shown = repr(entry) if len(repr(entry)) <= 200 else repr(entry)[:200] + "..."
+            raise CorruptCheckpoint(f"{where}: {name}: a tensor is [dtype, shape, chunks], got "
+                                    f"{shown}")
+        dtype, shape, itemsize = _declared(name, entry[0], entry[1], where)
+        out[name] = TensorEntry(dtype, shape, _chunks(name, entry[2], Box.whole(shape),
+                                                      itemsize, where, refs))
+    return out
+
+
+def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: set[str],
+           ) -> dict[str, TensorEntry]:
+    """Format 3: the tensors of the head's index, each parsing its chunks on first use."""
+    tables = _refs(doc, where)
     end = len(raw) - 2  # the tensors object's closing "}" and the document's
     out = {}
     for name, item in _index_entries(doc).items():
@@ -230,8 +285,8 @@ def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: s
     return out
 
 
-def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry], tables: list[str],
-            where: str) -> dict[str, TensorEntry]:
+def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry],
+            tables: list[str] | rows.Lists, where: str) -> dict[str, TensorEntry]:
     """Every tensor of ``index`` with its chunks, from one parse of the tensors object."""
     body = parse_json(raw[tail_at:-1], where)
     if not isinstance(body, dict) or body.keys() != index.keys():
@@ -247,7 +302,7 @@ def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry], tables: lis
 
 
 def _lazy_chunks(raw: bytes, start: int, length: int, name: str, shape: tuple[int, ...],
-                 itemsize: int, tables: list[str], where: str, decoded: set[str],
+                 itemsize: int, tables: list[str] | rows.Lists, where: str, decoded: set[str],
                  ) -> tuple[Chunk, ...]:
     decoded.add(name)
     doc = parse_json(raw[start : start + length], f"{where}: {name}")
@@ -265,12 +320,9 @@ def _held(names: Any, key: str = "holds") -> list[str]:
 
 
 def _replicated(doc: dict[str, Any], tensors: dict[str, TensorEntry]) -> tuple[ReplicaSet, ...]:
-    """A partial's replica sets (version 2; a partial of version 1 has none, its "holds" say
-    the same by name). Each names only tensors of the partial, at most ``count`` of them."""
-    version = doc.get("partial", 1)
-    if type(version) is not int or not 1 <= version <= PARTIAL_VERSION:
-        raise ValueError(f"partial version {version!r}: this reader knows 1 to {PARTIAL_VERSION}"
-                         " (written by a newer ckptd?)")
+    """A partial's replica sets (version 2 on; a partial of version 1 has none, its "holds"
+    say the same by name). Each names only tensors of the partial, at most ``count`` of them."""
+    _partial_version(doc)
     items = doc.get("replicated", [])
     if not isinstance(items, list):
         raise ValueError(f"'replicated' is not a list: {items!r}")
@@ -289,60 +341,6 @@ def _replicated(doc: dict[str, Any], tensors: dict[str, TensorEntry]) -> tuple[R
         out.append(ReplicaSet(_int(replicas, lo=2), _int(count, lo=max(len(wrote), 1)), digest,
                               tuple(wrote)))
     return tuple(out)
-
-
-def _ints(v: Any) -> tuple[int, ...]:
-    """A short list of integers in [0, MAX_INT] (a box, a shape) as a tuple: ``_int`` of each,
-    inlined (a thousand ranks' partials hold tens of thousands of boxes)."""
-    if not isinstance(v, list):
-        raise ValueError(f"expected a list of integers, got {v!r}")
-    for x in v:
-        if type(x) is not int or not 0 <= x <= MAX_INT:
-            _int(x)  # raises, naming it
-    return tuple(v)
-
-
-def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
-    if not lo <= v <= hi:
-        raise ValueError(f"{v} is outside [{lo}, {hi}]")
-    return v
-
-
-def _name(v: Any) -> str:
-    if not isinstance(v, str) or not v or "\0" in v or "/" in v:
-        raise ValueError(f"not a valid name: {v!r}")
-    return v
-
-
-_CONTROL = re.compile(r"[\x00-\x1f]")  # NUL and control characters
-
-
-def _safe_relpath(path: Any, where: str, tensor: str) -> str:
-    """Data paths are relative and stay inside the checkpoint directory."""
-    if not isinstance(path, str) or not path:
-        raise CorruptCheckpoint(f"{where}: {tensor}: chunk file {path!r} is not a path")
-    if not _inside(path):
-        raise CorruptCheckpoint(
-            f"{where}: {tensor}: chunk file {path!r} escapes the checkpoint directory"
-        )
-    return path
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _inside(path: str) -> bool:
-    """A manifest names the same few files (and frame tables) for thousands of tensors."""
-    norm = posixpath.normpath(path)
-    return not (
-        path.startswith("/")
-        or "\\" in path
-        or "://" in path
-        or norm.startswith("..")
-        or norm != path
-        or not norm.startswith("data/")
-        or _CONTROL.search(path)
-    )
 
 
 def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
@@ -367,7 +365,9 @@ def _tensor(name: str, t: dict[str, Any], where: str) -> TensorEntry:
 
 
 def _chunks(name: str, items: list[Any], whole: Box, itemsize: int, where: str,
-            tables: list[str] | None) -> tuple[Chunk, ...]:
+            tables: list[str] | rows.Lists | None) -> tuple[Chunk, ...]:
+    if isinstance(tables, rows.Lists):  # version 5
+        return rows.decode(name, items, whole, itemsize, where, tables)
     chunks = []
     for c in items:
         try:

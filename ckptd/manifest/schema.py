@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,13 +43,15 @@ if TYPE_CHECKING:
     import torch
 
 LOCAL_PREFIX = "__local__"  # ckptd.sharding.LOCAL_PREFIX: per-rank values' names
-TensorDoc = tuple[str, str, list[int], list[dict[str, Any]]]  # name, dtype, shape, chunks
+TensorDoc = tuple[str, str, list[int], list[Any]]  # name, dtype, shape, chunks (rows)
 
 CHECKSUM = "xxh3_64"
 # A partial's own version, under the key "partial" (absent: 1). 1: the tensors a rank holds but
 # a replica wrote are named in "holds"; 2: they are summed up per replica set ("replicated",
-# :class:`ReplicaSet`), so a partial grows with what its rank wrote, not with the model.
-PARTIAL_VERSION = 2
+# :class:`ReplicaSet`), so a partial grows with what its rank wrote, not with the model; 3 (in
+# a manifest of version 5): chunk rows, and no index (the coordinator parses a partial whole),
+# each tensor ``[dtype, shape, rows]`` in the tail.
+PARTIAL_VERSION = 3
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -99,19 +102,44 @@ class Chunk:
                                "not read (Manifest.with_frames)")
         return self.frames
 
-    def to_json(self, tables: dict[str, int]) -> dict[str, Any]:
-        if self.ref is None:
+    def to_row(self, keys: Keys) -> list[Any]:
+        """The chunk's row (``ckptd.manifest.rows``, which reads it back): ``length`` and the
+        frame count are left out, a reader derives them from the box and ``frame_bytes``."""
+        ref = self.ref
+        if ref is None:
             raise ValueError(f"chunk at {self.file}+{self.offset} has no frame table slice")
-        return {
-            "box": self.box.to_json(),
-            "file": self.file,
-            "offset": self.offset,
-            "length": self.length,
-            "codec": self.codec,
-            "frame_bytes": self.frame_bytes,
-            "frames": [tables[self.ref.table], self.ref.first, self.ref.count, self.ref.digest],
-            "rank": self.rank,
-        }
+        return [list(self.box.offsets), list(self.box.sizes), keys.files[self.file, self.rank],
+                self.offset, keys.codecs[self.codec], self.frame_bytes, keys.tables[ref.table],
+                ref.first, ref.digest]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """What the rows of a manifest index: its ``[file, rank]`` pairs, codecs and frame tables,
+    each numbered in sorted order (the head's ``files``, ``codecs`` and ``tables``)."""
+
+    files: dict[tuple[str, int], int]
+    codecs: dict[str, int]
+    tables: dict[str, int]
+
+    @classmethod
+    def of(cls, tensors: dict[str, TensorEntry]) -> Keys:
+        files: set[tuple[str, int]] = set()
+        names: set[str] = set()
+        tables: set[str] = set()
+        for t in tensors.values():
+            for c in t.chunks:
+                files.add((c.file, c.rank))
+                names.add(c.codec)
+                if c.ref is not None:
+                    tables.add(c.ref.table)
+        return cls({f: i for i, f in enumerate(sorted(files))},
+                   {n: i for i, n in enumerate(sorted(names))},
+                   {n: i for i, n in enumerate(sorted(tables))})
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {"tables": list(self.tables), "files": [list(f) for f in self.files],
+                "codecs": list(self.codecs)}
 
 
 class TensorEntry:
@@ -239,18 +267,19 @@ class Manifest:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        """The whole manifest as one JSON object (``ckptd inspect --json``)."""
-        tables = _tables(self.tensors)
-        out = self._head(tables)
+        """The whole manifest as one JSON object (``ckptd inspect --json``), its chunks as
+        rows."""
+        keys = Keys.of(self.tensors)
+        out = self._head(keys)
         out["tensors"] = {name: {"dtype": dtype, "shape": shape, "chunks": chunks}
-                          for name, dtype, shape, chunks in self._tensor_docs(tables)}
+                          for name, dtype, shape, chunks in self._tensor_docs(keys)}
         return out
 
-    def _tensor_docs(self, tables: dict[str, int]) -> Iterator[TensorDoc]:
+    def _tensor_docs(self, keys: Keys) -> Iterator[TensorDoc]:
         for k, v in sorted(self.tensors.items()):
-            yield k, v.dtype_name, list(v.shape), [c.to_json(tables) for c in v.chunks]
+            yield k, v.dtype_name, list(v.shape), [c.to_row(keys) for c in v.chunks]
 
-    def _head(self, tables: dict[str, int]) -> dict[str, Any]:
+    def _head(self, keys: Keys) -> dict[str, Any]:
         values, locals_, types = typed.encode(self.values, self.tuples, self.locals,
                                               LOCAL_PREFIX)
         out: dict[str, Any] = {
@@ -265,7 +294,7 @@ class Manifest:
             "locals": locals_,
             "types": types,
             "training": self.training,
-            "tables": list(tables),
+            **keys.to_json(),
         }
         if self.rank is not None:
             out["rank"] = self.rank
@@ -279,22 +308,20 @@ class Manifest:
         return out
 
     def encode(self) -> bytes:
-        """The file's bytes (format 3): see :func:`encode_doc`. Each tensor's JSON form is made
-        and encoded in turn (a manifest of 50,000 chunks never exists as one JSON object)."""
-        tables = _tables(self.tensors)
-        return _encode(self._head(tables), self._tensor_docs(tables))
-
-
-def _tables(tensors: dict[str, TensorEntry]) -> dict[str, int]:
-    names = sorted({c.ref.table for t in tensors.values() for c in t.chunks if c.ref})
-    return {n: i for i, n in enumerate(names)}
+        """The file's bytes (format 3 on): see :func:`encode_doc`. Each tensor's JSON form is
+        made and encoded in turn (a manifest of 50,000 chunks never exists as one JSON
+        object)."""
+        keys = Keys.of(self.tensors)
+        return _encode(self._head(keys), self._tensor_docs(keys))
 
 
 def encode_doc(doc: dict[str, Any]) -> bytes:
-    """A manifest file (format 3, ``docs/format.md``) from its whole JSON form (``to_json``):
-    compact JSON whose first key is its own digest (:func:`seal`), then the length of its tail;
-    the head holds an index of every tensor's dtype, shape and the byte range of its chunks in
-    the tail, so that a reader parses the head and only the entries it needs."""
+    """A manifest file (format 3 on, ``docs/format.md``) from its whole JSON form
+    (``to_json``): compact JSON whose first key is its own digest (:func:`seal`), then the
+    length of its tail; the head holds an index of every tensor's dtype, shape and the byte
+    range of its chunks in the tail, so that a reader parses the head and only the entries it
+    needs. A partial of version 3 has no index: its tail holds each tensor's dtype, shape and
+    chunks (the coordinator parses it whole)."""
     head = {k: v for k, v in doc.items()
             if k not in ("digest", "tail", "lead", "index", "tensors", "nbytes")}
     return _encode(head, ((n, t["dtype"], t["shape"], t["chunks"])
@@ -317,23 +344,38 @@ def _lead_first(head: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _raw_bytes(dtype: str, chunk: Any) -> int:
+    """A chunk's raw length, from its row (its box's elements × the item size) or its object
+    (versions 1-4: ``length``), for the head's ``nbytes``. A document edited by hand may say
+    nothing sensible: 0 then (a reader checks every chunk, and uses ``nbytes`` for listings)."""
+    try:
+        if isinstance(chunk, dict):
+            return int(chunk["length"])
+        return int(math.prod(chunk[1])) * dtypes.ITEMSIZE[dtype]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
 def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     head = _lead_first(head)
+    whole = "rank" in head and head.get("partial", 1) >= 3  # no index: parsed whole
     texts: list[bytes] = []
     index: dict[str, list[Any]] = {}
     nbytes = 0
     pos = 1  # inside the tensors object, after its "{"
     for name, dtype, shape, chunks in tensors:
         key = json.dumps(name).encode() + b":"
-        body = json.dumps({"chunks": chunks}, separators=(",", ":")).encode()
+        entry = [dtype, shape, chunks] if whole else {"chunks": chunks}
+        body = json.dumps(entry, separators=(",", ":")).encode()
         if texts:
             pos += 1  # the comma before it
         index[name] = [dtype, shape, pos + len(key), len(body)]
         texts.append(key + body)
         pos += len(key) + len(body)
-        nbytes += sum(int(c["length"]) for c in chunks)
-    head["nbytes"] = nbytes
-    head["index"] = index
+        nbytes += sum(_raw_bytes(dtype, c) for c in chunks)
+    if not whole:
+        head["nbytes"] = nbytes
+        head["index"] = index
     head_json = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
     # seal(tail_field + head + tail) built in one buffer: each tensor's text is freed as it is
     # appended (the manifest of a 1024-rank reshard is ~10 MB; the texts, the joined tail, the
