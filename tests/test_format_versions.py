@@ -103,3 +103,14 @@ def test_a_checkpoint_of_format_4_reshards_offline_and_exports(tmp_path, capsys)
     assert sorted(got) == ["b", "e", "w"]
     assert torch.equal(got["w"], torch.arange(48.0).reshape(6, 8))
     assert torch.equal(got["b"], torch.full((4,), 0.5))
+
+
+def test_inspect_json_prints_the_stored_document_of_every_format(capsys):
+    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    for name in ("format1", "format2", "format4"):
+        root = os.path.join(fixtures, name)
+        assert cli_main(["inspect", "--json", root]) == 0, name
+        doc = json.loads(capsys.readouterr().out)
+        step = ckptd.Checkpointer(root, read_only=True).latest_step()
+        raw = open(os.path.join(root, L.manifest_path(step)), "rb").read()
+        assert doc == whole_doc(raw, name) and doc["step"] == step and doc["tensors"], name

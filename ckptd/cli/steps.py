@@ -21,6 +21,7 @@ from ckptd.cli.common import (
 )
 from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.manifest import layout
+from ckptd.manifest.parse import whole_doc
 from ckptd.storage import Storage
 
 
@@ -91,8 +92,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage, step, m = open_ckpt(args)
-    if args.json:
-        print(json.dumps(m.to_json(), indent=1))
+    if args.json:  # the document as it is stored, in any format (checked by the decode above)
+        path = layout.manifest_path(step)
+        print(json.dumps(whole_doc(storage.read_bytes(path), path), indent=1))
         return 0
     print(f"checkpoint {storage.url}/{layout.step_dir(step)}")
     print(
