@@ -149,7 +149,10 @@ class ManifestFile:
         if self._closed:  # an entry first used after the load: read it on its own
             return [bytes(b) for b in self.storage.read_ranges(self.path, ranges)]
         session = self._open()
-        return [bytes(session.read(self.path, offset, length)) for offset, length in ranges]
+        try:
+            return [bytes(session.read(self.path, offset, length)) for offset, length in ranges]
+        except FileNotFoundError:  # an object store's object deleted since it was opened
+            raise CheckpointNotFound(f"{self.where}: removed while it was being read") from None
 
     def head(self) -> bytes:
         """The manifest's head — the whole file where it has no head of its own — as
