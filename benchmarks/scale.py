@@ -34,8 +34,9 @@ Figures are CPU seconds of this process (``time.process_time``), not wall:
 - full decode: what every rank paid before format 3 — every tensor's chunks and frames;
 - what the loading rank reads and opens (its first load, a restart): bytes of
   ``manifest.json`` it read (the loading Checkpointer's storage counts them; a simulated rank
-  has no process group, so it reads the manifest itself, as rank 0 of a job does: the other
-  ranks of a job with one get its bytes over the group and read none), the files it opened
+  has no process group, so it reads the manifest's head and its own entries, as rank 0 of a
+  job does: the other ranks of a job with one get the head over the group and read their
+  entries alone; format 4 and older: the whole file), the files it opened
   (data files, frame tables, others), and the ``open`` calls its storage made for them,
   directories included.
 
@@ -293,6 +294,20 @@ class Counting(LocalStorage):
     def _open_file(self, path, flags, create_dirs=False):  # type: ignore[no-untyped-def]
         self.files.append(path)
         return super()._open_file(path, flags, create_dirs)
+
+    def open_read(self, paths):  # type: ignore[no-untyped-def]
+        """A load holds the manifest open and reads its head and entries through a session:
+        those reads are counted too."""
+        session = super().open_read(paths)
+        if any(p.endswith(L.MANIFEST) for p in paths):
+            inner, counting = session.read_into, self
+
+            def read_into(path, offset, buf):  # type: ignore[no-untyped-def]
+                inner(path, offset, buf)
+                if path.endswith(L.MANIFEST):
+                    counting.manifest_bytes += len(buf)
+            session.read_into = read_into
+        return session
 
 
 def count_opens(storage: Counting, fn, *args, **kw):  # type: ignore[no-untyped-def]

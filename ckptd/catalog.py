@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 from ckptd import dtypes
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout
+from ckptd.manifest.envelope import check_manifest_size
 from ckptd.manifest.frames import HEADER, MAGIC, FrameRef, FrameTable, parse_slice
-from ckptd.manifest.parse import PREFIX_BYTES, Head, Lead, decode, head, lead
+from ckptd.manifest.parse import PREFIX_BYTES, Head, Lead, decode, head, lead, parts
 from ckptd.storage import Storage, open_storage
+from ckptd.storage.base import ReadSession
 
 if TYPE_CHECKING:
     import torch
@@ -101,14 +103,88 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return decode_manifest(storage, step, read_raw(storage, step))
 
 
-def decode_manifest(storage: Storage, step: int, raw: bytes) -> Manifest:
+def decode_manifest(storage: Storage, step: int, raw: bytes,
+                    file: ManifestFile | None = None) -> Manifest:
     """``step``'s manifest from ``raw``, the bytes of its ``manifest.json`` (read here or by
-    another rank): its digest checked, its frame tables read from ``storage`` when asked."""
+    another rank): its digest checked, its frame tables read from ``storage`` when asked.
+    With ``file``, ``raw`` may be the head alone (:meth:`ManifestFile.head`): the entries
+    are then read from ``file`` as they are used, each checked against its digest."""
     where = _where(storage, step)
     manifest = decode(raw, where, FrameSource(
-        storage, layout.step_dir(step), f"{storage.url}/{layout.step_dir(step)}"))
+        storage, layout.step_dir(step), f"{storage.url}/{layout.step_dir(step)}"),
+        read=file.read if file is not None else None)
     _check_step(manifest.step, step, where)
     return manifest
+
+
+class ManifestFile:
+    """``step``'s ``manifest.json`` as a load reads it: opened once (on first use, held until
+    :meth:`close`), its head read (:meth:`head`) and then the byte ranges of the entries the
+    load decodes (:meth:`read`). A manifest of format 4 or older, or one whose lead is not in
+    the first :data:`PREFIX_BYTES`, is read whole instead (``docs/format.md``, *Integrity*)."""
+
+    def __init__(self, storage: Storage, step: int) -> None:
+        self.storage, self.step = storage, step
+        self.path, self.where = layout.manifest_path(step), _where(storage, step)
+        self._session: ReadSession | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _open(self) -> ReadSession:
+        with self._lock:
+            if self._session is None:
+                try:
+                    self._session = self.storage.open_read([self.path])
+                except FileNotFoundError:
+                    raise CheckpointNotFound(f"{self.where}: no committed step {self.step}"
+                                             ) from None
+            return self._session
+
+    @property
+    def size(self) -> int:
+        return self._open().sizes[self.path]
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of ``(offset, length)`` ranges of the file (EOFError past its end)."""
+        if self._closed:  # an entry first used after the load: read it on its own
+            return [bytes(b) for b in self.storage.read_ranges(self.path, ranges)]
+        session = self._open()
+        try:
+            return [bytes(session.read(self.path, offset, length)) for offset, length in ranges]
+        except FileNotFoundError:  # an object store's object deleted since it was opened
+            raise CheckpointNotFound(f"{self.where}: removed while it was being read") from None
+
+    def head(self) -> bytes:
+        """The manifest's head — the whole file where it has no head of its own — as
+        :func:`decode_manifest` takes it: its first :data:`PREFIX_BYTES` (the lead says where
+        the head ends), then the rest of the head; nothing is checked but the lead."""
+        size = self.size
+        check_manifest_size(size, self.where)
+        try:
+            prefix = self.read([(0, min(size, PREFIX_BYTES))])[0]
+            split = parts(prefix, self.where)
+            if split is None:  # read whole: its digest says whether it is all there
+                return prefix + self.read([(len(prefix), size - len(prefix))])[0]
+            if split.head + split.tail != size:
+                raise CorruptCheckpoint(f"{self.where}: {size} bytes, its lead says "
+                                        f"{split.head + split.tail} (truncated or extended)")
+            if split.head <= len(prefix):
+                return prefix[: split.head]
+            return prefix + self.read([(len(prefix), split.head - len(prefix))])[0]
+        except EOFError as e:  # shrunk while it was read
+            raise CorruptCheckpoint(f"{self.where}: truncated ({e})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            session, self._session, self._closed = self._session, None, True
+        if session is not None:
+            session.close()
+
+    def __enter__(self) -> ManifestFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_head(storage: Storage, step: int) -> Head:

@@ -31,7 +31,8 @@ class RotateOnFirstRead(LocalStorage):
             retention.apply_retention(LocalStorage(self.root), 1)
 
     def open_read(self, paths: Sequence[str]):  # type: ignore[no-untyped-def]
-        self._rotate()
+        if not any(p.endswith("/manifest.json") for p in paths):  # a load holds it open too
+            self._rotate()
         return super().open_read(paths)
 
     def read_ranges(self, path, ranges):  # type: ignore[no-untyped-def]

@@ -86,9 +86,10 @@ class Reader:
     pool: ThreadPoolExecutor  # the I/O threads
 
     def load_step(self, described: Described, step: int, strict: Strict) -> LoadResult:
-        with gcpause.paused():  # the decoded manifest's objects: see ckptd/gcpause.py
+        # the decoded manifest's objects: see ckptd/gcpause.py
+        with gcpause.paused(), catalog.ManifestFile(self.storage, step) as file:
             cpu0 = time.thread_time()
-            manifest = self.read_manifest(step)
+            manifest = self.read_manifest(step, file)
             nbytes = load_into(self.storage, layout.step_dir(step), manifest, described,
                                rank=self.rank, world_size=self.world_size, strict=strict,
                                pool=self.pool, metadata_since=cpu0)
@@ -99,14 +100,16 @@ class Reader:
             del manifest  # freed by reference counts, before the collector is back
         return result
 
-    def read_manifest(self, step: int) -> Manifest:
-        """``step``'s manifest, decoded. With a process group, rank 0 alone reads its bytes
-        from storage and one broadcast gives them to the other ranks (a restart of a thousand
-        ranks reads the file once, not a thousand times); a failure there (the file missing,
-        unreadable) is raised on every rank alike. Every rank checks the digest of the bytes
-        it holds as it decodes them."""
-        raw = shared_from_rank0(lambda: catalog.read_raw(self.storage, step))
-        return catalog.decode_manifest(self.storage, step, raw)
+    def read_manifest(self, step: int, file: catalog.ManifestFile) -> Manifest:
+        """``step``'s manifest, decoded. With a process group, rank 0 alone reads its head
+        from storage and one broadcast gives it to the other ranks (a restart of a thousand
+        ranks reads it once, not a thousand times); a failure there (the file missing,
+        unreadable) is raised on every rank alike. Every rank checks the head digest of the
+        bytes it holds as it decodes them, then reads from ``file`` the entries of the tensors
+        it loads, each checked against its digest (format 5; an older manifest is read whole
+        by rank 0 and its file digest checked on every rank)."""
+        raw = shared_from_rank0(file.head)
+        return catalog.decode_manifest(self.storage, step, raw, file)
 
     def load_named(self, described: Described, step: int, strict: Strict) -> LoadResult:
         try:

@@ -27,8 +27,10 @@ FORMAT = "ckptd"
 # 1: JSON; 2: the same, sealed with a digest of its own bytes; 3: frame sizes and checksums in
 # binary tables beside the data, and an index that lets a reader parse only the tensors it
 # needs; 4: bytes and tuples among the values, by path in ``types`` (manifest/values.py); 5:
-# each chunk a row indexing the head's ``files``, ``codecs`` and ``tables`` (manifest/rows.py).
-# Older versions still load
+# each chunk a row indexing the head's ``files``, ``codecs`` and ``tables`` (manifest/rows.py),
+# and a committed manifest seals its head and each tensor's entry on their own, so a load reads
+# the head and the entries it needs, not the whole file (manifest/entries.py). Older versions
+# still load
 VERSION = 5
 
 # A manifest's digest covers its own bytes: ``{"digest":"xxh3_64:<16 hex>",...}`` hashed with the
@@ -42,11 +44,20 @@ MAX_INT = 1 << 62  # sizes, offsets and counts: above this no file or tensor is 
 # ``,"tensors":{...}}`` (every tensor's chunks); the head before it is parsed alone.
 _TAIL_HEAD = b'"tail":"'
 TENSORS_KEY = b',"tensors":'
+# Format 5, committed manifests: right after the tail, ``"head":"<16 hex>",`` gives the length of
+# the head (everything before TENSORS_KEY), inside the lead and so sealed by it; right after the
+# lead's seal, the head's own digest (:func:`head_digest`)
+_HEAD_HEAD = b'"head":"'
+HEAD_DIGEST_MARK = b',"head_digest":"xxh3_64:'
 
 
-def tail_field(tail_bytes: int) -> bytes:
-    """The start of a format-3 body (before :func:`seal`): ``{"tail":"<16 hex>",``."""
-    return b"{" + _TAIL_HEAD + f"{tail_bytes:016x}".encode() + b'",'
+def tail_field(tail_bytes: int, head_bytes: int | None = None) -> bytes:
+    """The start of a format-3 body (before :func:`seal`): ``{"tail":"<16 hex>",``, and in a
+    committed manifest of format 5 ``"head":"<16 hex>",``."""
+    out = b"{" + _TAIL_HEAD + f"{tail_bytes:016x}".encode() + b'",'
+    if head_bytes is not None:
+        out += _HEAD_HEAD + f"{head_bytes:016x}".encode() + b'",'
+    return out
 
 
 def seal(body: bytes) -> bytes:
@@ -132,6 +143,36 @@ def seal_lead(buf: bytearray, end: int) -> None:
     buf[end - 17 : end - 1] = lead_digest(buf, end).encode()
 
 
+def head_digest(raw: bytes | bytearray, lead_end: int, head: int) -> str:
+    """xxh3-64 of the head ``raw[:head]`` of a committed manifest of format 5 whose lead ends at
+    ``lead_end`` (its head digest follows), with the file's digest and the head digest each set
+    to 16 zeros. It covers the lead seal; the file's digest covers it in turn."""
+    at = lead_end + len(HEAD_DIGEST_MARK)
+    view, h = memoryview(raw), xxhash.xxh3_64()
+    for part in (view[: len(_DIGEST_HEAD)], _ZEROS, view[_DIGEST_END:at], _ZEROS,
+                 view[at + 16 : head]):
+        h.update(part)
+    return h.hexdigest()
+
+
+def seal_head(buf: bytearray, lead_end: int, head: int) -> None:
+    """Write the head digest of ``buf`` (after :func:`seal_lead`, before
+    :func:`seal_in_place`)."""
+    at = lead_end + len(HEAD_DIGEST_MARK)
+    assert buf[lead_end:at] == HEAD_DIGEST_MARK and buf[at : at + 16] == _ZEROS
+    buf[at : at + 16] = head_digest(buf, lead_end, head).encode()
+
+
+def check_manifest_size(size: int, where: str) -> None:
+    """A manifest over ``config.max_manifest_bytes`` is refused before it is read or parsed."""
+    limit = config.get().max_manifest_bytes
+    if size > limit:
+        raise CorruptCheckpoint(
+            f"{where}: {size} bytes, over the manifest limit of {limit} "
+            "(ckptd.config max_manifest_bytes, CKPTD_MAX_MANIFEST_BYTES)"
+        )
+
+
 def check_version(version: Any, where: str) -> int:
     """A format version this reader understands (a newer one is refused, naming both)."""
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -147,12 +188,7 @@ def check_version(version: Any, where: str) -> int:
 def split_doc(raw: bytes, where: str) -> tuple[dict[str, Any], int | None]:
     """:func:`open_doc`, and in format 3 where the tensors object starts in ``raw`` (None
     before: the document holds them)."""
-    limit = config.get().max_manifest_bytes
-    if len(raw) > limit:
-        raise CorruptCheckpoint(
-            f"{where}: {len(raw)} bytes, over the manifest limit of {limit} "
-            "(ckptd.config max_manifest_bytes, CKPTD_MAX_MANIFEST_BYTES)"
-        )
+    check_manifest_size(len(raw), where)
     sealed = unseal(raw, where)
     tail_at: int | None = None
     at = _DIGEST_END + 2

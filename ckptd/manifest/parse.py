@@ -10,6 +10,10 @@
   checks; the digest of the whole file is checked, no chunk is decoded.
 - :func:`lead`: which step, attempt and generation a committed manifest names, from its first
   :data:`PREFIX_BYTES` alone (``docs/format.md``, *The lead*).
+
+:func:`decode` also takes the head alone of a committed manifest of format 5, with a function
+that reads the file's byte ranges: its entries are then read, and checked, as they are used
+(:mod:`ckptd.manifest.entries`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs, rows
 from ckptd.manifest import values as typed
-from ckptd.manifest.envelope import MAX_INT, check_version, lead_digest, parse_json, split_doc
+from ckptd.manifest.entries import Parts, RangedTail, RangeRead, Tail, WholeTail, check_head
+from ckptd.manifest.envelope import (
+    MAX_INT,
+    TENSORS_KEY,
+    check_version,
+    lead_digest,
+    parse_json,
+    split_doc,
+)
 from ckptd.manifest.fields import integer as _int
 from ckptd.manifest.fields import integers as _ints
 from ckptd.manifest.fields import plain_name as _name
@@ -49,7 +61,8 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     """The whole JSON form of a manifest file of any format (what :func:`encode_doc` takes):
     for tools and tests; a reader decodes with :func:`decode`."""
     doc, tail_at = split_doc(raw, where)
-    doc = {k: v for k, v in doc.items() if k not in ("digest", "tail", "lead", "nbytes")}
+    doc = {k: v for k, v in doc.items()
+           if k not in ("digest", "tail", "head", "lead", "head_digest", "nbytes")}
     if tail_at is not None:
         chunks = parse_json(raw[tail_at:-1], where)
         if "index" not in doc:  # a partial of version 3: [dtype, shape, chunks] in the tail
@@ -74,24 +87,28 @@ def _fields(where: str) -> Iterator[None]:
 
 
 def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
-           eager: bool = False) -> Manifest:
+           eager: bool = False, read: RangeRead | None = None) -> Manifest:
     """Parse and validate a manifest; any defect raises :class:`CorruptCheckpoint` naming
     ``where`` (the file) and, where it applies, the logical tensor. In format 3 the tensors'
     chunks are parsed (and checked) when first used, or all at once with ``eager`` (one JSON
     parse: the coordinator's merge uses every chunk of every partial; a partial of version 3
-    has no index, and is always parsed whole); ``frames`` reads their frame tables."""
-    doc, tail_at = split_doc(raw, where)
+    has no index, and is always parsed whole); ``frames`` reads their frame tables. With
+    ``read``, ``raw`` may be the head alone of a committed manifest of format 5 (:func:`parts`):
+    its head digest is checked, and ``read`` fetches the entries the reader uses, each checked
+    against its digest (:meth:`Manifest.prefetch`)."""
+    doc, tail = _open(raw, where, read)
     with _fields(where):
         decoded: set[str] = set()
-        if tail_at is None:
+        if tail is None:
             tensors = {name: _tensor(name, t, where)
                        for name, t in _object(doc["tensors"], "tensors").items()}
         elif _indexless(doc):
-            tensors = _whole_partial(raw, tail_at, doc, where)
+            tensors = _whole_partial(raw, tail.at, doc, where)
         else:
-            tensors = _index(raw, tail_at, doc, where, decoded)
+            tensors = _index(tail, doc, where, decoded)
             if eager:
-                tensors = _parsed(raw, tail_at, tensors, _refs(doc, where), where)
+                assert isinstance(tail, WholeTail)
+                tensors = _parsed(raw, tail.at, tensors, _refs(doc, where), where)
         values, tuples, locals_ = typed.decode(
             dict(doc.get("values", {})),
             {str(k): dict(v) for k, v in doc.get("locals", {}).items()},
@@ -112,8 +129,24 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             partial=doc.get("partial", 1) if "rank" in doc else PARTIAL_VERSION,
             frames=frames,
             decoded=decoded,
+            entries=tail if isinstance(tail, RangedTail) else None,
             tuples=tuples,
         )
+
+
+def _open(raw: bytes, where: str, read: RangeRead | None) -> tuple[dict[str, Any], Tail | None]:
+    """The document's head and its entries' source: the head alone of a manifest of format 5
+    (with ``read``), else the whole file (formats 1 and 2: no tail)."""
+    if read is not None:
+        split = parts(raw[:PREFIX_BYTES], where)
+        if split is not None and len(raw) == split.head:
+            return check_head(raw, split, where), RangedTail(read, split, where)
+    doc, tail_at = split_doc(raw, where)
+    if tail_at is None:
+        return doc, None
+    if "head" in doc and doc["head"] != f"{tail_at - len(TENSORS_KEY):016x}":
+        raise CorruptCheckpoint(f"{where}: the head length does not point at the tensors")
+    return doc, WholeTail(raw, tail_at)
 
 
 @dataclass(frozen=True)
@@ -163,7 +196,8 @@ PREFIX_BYTES = 512
 # before the lead seal stops after the attempt. Integers are bounded by their digits, the
 # attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
 _LEAD = re.compile(
-    rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"[0-9a-f]{16}","format":"ckptd",'
+    rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"(?P<tail>[0-9a-f]{16})"'
+    rb'(?:,"head":"(?P<head>[0-9a-f]{16})")?,"format":"ckptd",'
     rb'"version":(?P<version>\d{1,9}),"checksum":"xxh3_64","step":(?P<step>\d{1,19}),'
     rb'"attempt":(?P<attempt>"(?:[^"\\]|\\.)*")'
     rb'(?:,"generation":(?P<generation>\d{1,19}),"lead":"xxh3_64:(?P<seal>[0-9a-f]{16})")?')
@@ -202,6 +236,20 @@ def lead(prefix: bytes, where: str) -> Lead | None:
     return Lead(step, attempt, generation)
 
 
+def parts(prefix: bytes, where: str) -> Parts | None:
+    """Where a committed manifest of format 5 splits into head and tail, from the sealed lead
+    in its first bytes (:func:`lead` checks it); None for any other manifest, which is read
+    whole."""
+    found = lead(prefix, where)
+    m = _LEAD.match(prefix)
+    if found is None or found.generation is None or m is None or m["head"] is None:
+        return None
+    head, tail = int(m["head"], 16), int(m["tail"], 16)
+    if not (m.end() < head <= MAX_INT and tail <= MAX_INT):
+        raise CorruptCheckpoint(f"{where}: the head length {head} does not fit the manifest")
+    return Parts(head, tail, m.end())
+
+
 def _object(v: Any, what: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise TypeError(f"'{what}' is not an object")
@@ -209,12 +257,17 @@ def _object(v: Any, what: str) -> dict[str, Any]:
 
 
 def _index_entries(doc: dict[str, Any]) -> dict[str, list[Any]]:
-    """Format 3: the head's index, each entry ``[dtype, shape, start, length]``."""
+    """Format 3: the head's index, each entry ``[dtype, shape, start, length]`` and, in a
+    committed manifest of format 5, the entry's digest."""
     index = _object(doc["index"], "index")
     for name, item in index.items():
-        if not (isinstance(item, list) and len(item) == 4):
-            raise ValueError(f"{name}: index entry {item!r} is not [dtype, shape, start, length]")
+        if not (isinstance(item, list) and 4 <= len(item) <= 5):
+            raise ValueError(f"{name}: index entry {item!r} is not [dtype, shape, start, length"
+                             ", digest]")
     return index
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def _refs(doc: dict[str, Any], where: str) -> list[str] | rows.Lists:
@@ -269,19 +322,25 @@ def _whole_partial(raw: bytes, tail_at: int, doc: dict[str, Any], where: str,
     return out
 
 
-def _index(raw: bytes, tail_at: int, doc: dict[str, Any], where: str, decoded: set[str],
+def _index(tail: Tail, doc: dict[str, Any], where: str, decoded: set[str],
            ) -> dict[str, TensorEntry]:
     """Format 3: the tensors of the head's index, each parsing its chunks on first use."""
     tables = _refs(doc, where)
-    end = len(raw) - 2  # the tensors object's closing "}" and the document's
+    end, spans = tail.end, tail.spans
     out = {}
     for name, item in _index_entries(doc).items():
         dtype, shape, itemsize = _declared(name, item[0], item[1], where)
-        start, length = tail_at + _int(item[2]), _int(item[3])
+        start, length = tail.at + _int(item[2]), _int(item[3])
         if start + length > end:
             raise CorruptCheckpoint(f"{where}: {name}: index points past the manifest's end")
+        digest = item[4] if len(item) == 5 else None
+        if digest is not None and not (isinstance(digest, str) and _HEX16.fullmatch(digest)):
+            raise ValueError(f"{name}: entry digest {digest!r} is not 16 hex digits")
+        if spans is not None:
+            spans[name] = (start, length, digest)
         out[name] = TensorEntry(dtype, shape, decode=functools.partial(
-            _lazy_chunks, raw, start, length, name, shape, itemsize, tables, where, decoded))
+            _lazy_chunks, tail, start, length, digest, name, shape, itemsize, tables, where,
+            decoded))
     return out
 
 
@@ -301,11 +360,11 @@ def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry],
     return out
 
 
-def _lazy_chunks(raw: bytes, start: int, length: int, name: str, shape: tuple[int, ...],
-                 itemsize: int, tables: list[str] | rows.Lists, where: str, decoded: set[str],
-                 ) -> tuple[Chunk, ...]:
+def _lazy_chunks(tail: Tail, start: int, length: int, digest: str | None, name: str,
+                 shape: tuple[int, ...], itemsize: int, tables: list[str] | rows.Lists,
+                 where: str, decoded: set[str]) -> tuple[Chunk, ...]:
     decoded.add(name)
-    doc = parse_json(raw[start : start + length], f"{where}: {name}")
+    doc = parse_json(tail.text(name, start, length, digest), f"{where}: {name}")
     items = doc.get("chunks") if isinstance(doc, dict) else None
     if not isinstance(items, list):
         raise CorruptCheckpoint(f"{where}: {name}: the index does not point at its chunks")

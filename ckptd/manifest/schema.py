@@ -27,10 +27,12 @@ from ckptd.manifest import codecs
 from ckptd.manifest import values as typed
 from ckptd.manifest.envelope import (
     FORMAT,
+    HEAD_DIGEST_MARK,
     LEAD_MARK,
     MAX_INT,
     TENSORS_KEY,
     VERSION,
+    seal_head,
     seal_in_place,
     seal_lead,
     tail_field,
@@ -41,6 +43,8 @@ from ckptd.regions import Box
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptd.manifest.entries import RangedTail
 
 LOCAL_PREFIX = "__local__"  # ckptd.sharding.LOCAL_PREFIX: per-rank values' names
 TensorDoc = tuple[str, str, list[int], list[Any]]  # name, dtype, shape, chunks (rows)
@@ -234,6 +238,15 @@ class Manifest:
     decoded: set[str] = field(default_factory=set, compare=False, repr=False)
     # paths of the tuples whose elements are in ``values`` (``manifest/values.py``)
     tuples: frozenset[str] = frozenset()
+    # where the entries are read from when only the head was read (format 5)
+    entries: RangedTail | None = field(default=None, compare=False, repr=False)
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Read the entries of the tensors ``names`` together, where this manifest's head alone
+        was read (format 5: entries that lie close together in one request, each checked);
+        otherwise, and for the entries of other tensors, each is read when first used."""
+        if self.entries is not None:
+            self.entries.prefetch(names)
 
     @property
     def nbytes(self) -> int:
@@ -322,8 +335,8 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
     range of its chunks in the tail, so that a reader parses the head and only the entries it
     needs. A partial of version 3 has no index: its tail holds each tensor's dtype, shape and
     chunks (the coordinator parses it whole)."""
-    head = {k: v for k, v in doc.items()
-            if k not in ("digest", "tail", "lead", "index", "tensors", "nbytes")}
+    head = {k: v for k, v in doc.items() if k not in (
+        "digest", "tail", "head", "lead", "head_digest", "index", "tensors", "nbytes")}
     return _encode(head, ((n, t["dtype"], t["shape"], t["chunks"])
                           for n, t in doc["tensors"].items()))
 
@@ -334,12 +347,14 @@ LEAD_KEYS = ("format", "version", "checksum", "step", "attempt", "generation")
 
 
 def _lead_first(head: dict[str, Any]) -> dict[str, Any]:
-    """``head`` with its lead first and the lead seal's place after it (partials have none:
-    only the coordinator reads them, whole)."""
+    """``head`` with its lead first, the lead seal's place after it and the head digest's after
+    that (partials have none: only the coordinator reads them, whole)."""
     if "rank" in head or not all(k in head for k in LEAD_KEYS):
         return dict(head)
     out = {k: head[k] for k in LEAD_KEYS}
     out["lead"] = "xxh3_64:" + "0" * 16
+    if head["version"] >= 5:  # a document of an older version is encoded as it was written
+        out["head_digest"] = "xxh3_64:" + "0" * 16
     out.update((k, v) for k, v in head.items() if k not in out)
     return out
 
@@ -359,6 +374,9 @@ def _raw_bytes(dtype: str, chunk: Any) -> int:
 def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     head = _lead_first(head)
     whole = "rank" in head and head.get("partial", 1) >= 3  # no index: parsed whole
+    # a committed manifest seals its head and each entry on their own (format 5), so a load
+    # reads and checks only the parts it needs (ckptd.manifest.entries)
+    committed = "head_digest" in head
     texts: list[bytes] = []
     index: dict[str, list[Any]] = {}
     nbytes = 0
@@ -370,6 +388,8 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
         if texts:
             pos += 1  # the comma before it
         index[name] = [dtype, shape, pos + len(key), len(body)]
+        if committed:
+            index[name].append(xxhash.xxh3_64_hexdigest(body))
         texts.append(key + body)
         pos += len(key) + len(body)
         nbytes += sum(_raw_bytes(dtype, c) for c in chunks)
@@ -381,8 +401,13 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     # appended (the manifest of a 1024-rank reshard is ~10 MB; the texts, the joined tail, the
     # body, the unsealed and the sealed document were five copies of it)
     out = unsealed_start()
-    out += tail_field(len(TENSORS_KEY) + pos + 2)[1:]  # tail: TENSORS_KEY{<texts>}}
+    tail = len(TENSORS_KEY) + pos + 2  # TENSORS_KEY{<texts>}}
+    head_end = None
+    if committed:  # fixed-width fields: the head's length is known before it is written
+        head_end = len(out) + len(tail_field(tail, 0)) - 1 + len(head_json) - 2
+    out += tail_field(tail, head_end)[1:]
     out += head_json[1:-1]
+    assert head_end is None or len(out) == head_end
     out += TENSORS_KEY + b"{"
     texts.reverse()
     while texts:
@@ -391,5 +416,9 @@ def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
             out += b","
     out += b"}}"
     if "lead" in head:  # the first mark: the keys before it are the writer's own
-        seal_lead(out, out.index(LEAD_MARK) + len(LEAD_MARK) + 17)
+        lead_end = out.index(LEAD_MARK) + len(LEAD_MARK) + 17
+        seal_lead(out, lead_end)
+        if head_end is not None:
+            assert out.startswith(HEAD_DIGEST_MARK, lead_end)
+            seal_head(out, lead_end, head_end)
     return bytes(seal_in_place(out))
