@@ -82,6 +82,11 @@ class Tunables:
     # 50 ms that is ~5 ms of CPU per second of waiting on every rank, at 250 ms ~1 ms; the
     # commit of a save that took T seconds is learnt at most ~T/8 (and 0.25 s) late.
     poll_idle_max_s: float = 0.25
+    # Where the kernel reports every change a rank waits for (a local filesystem, through
+    # inotify: ckptd/storage/watch.py), a pause ends as soon as the change is made and the
+    # polls are a safety net: a long wait's pause grows up to this instead (a failure the
+    # process group's store publishes is learnt at the next poll).
+    poll_watched_idle_max_s: float = 2.0
     # The same for object stores (S3 and other remote fsspec URLs; the storage reports its own
     # bounds through `poll_interval_s`, see ckptd/storage/base.py). A request there takes
     # 10-30 ms, so polling faster than every 50 ms only queues requests; and a waiting rank

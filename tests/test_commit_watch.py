@@ -117,3 +117,23 @@ def test_without_inotify_the_waits_poll_as_before(tmp_path, monkeypatch):
     for c in cs:
         c.close()
     assert os.path.exists(tmp_path / "step-000000001" / "manifest.json")
+
+
+def test_a_watch_of_a_local_filesystem_is_complete_and_wake_all_ends_its_wait(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    fs = max((m for m in mounts if str(tmp_path).startswith(m[1].rstrip("/") + "/")),
+             key=lambda m: len(m[1]))[2]
+    with st.watch(["d"]) as w:
+        assert w is not None
+        # every change of a local filesystem is this node's: the kernel reports each one
+        assert w.complete == (fs in ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs",
+                                     "zfs", "overlay")), fs
+        ended: list[bool] = []
+        waiter = _later(lambda: ended.append(w.wait(120.0)))
+        while waiter.is_alive():  # the process begins exiting: every paused wait checks now
+            watch.wake_all()
+            waiter.join(0.01)
+        assert ended == [False]  # ended early, with nothing new

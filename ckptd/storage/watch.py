@@ -13,6 +13,10 @@ One inotify instance per process, read by one daemon thread (``ckptd-inotify``, 
 ``read`` while nothing happens) that counts the events of each watched directory: closing an
 instance costs the kernel ~10 ms (it waits for an RCU grace period), so a wait adds and removes
 a watch (microseconds) on an instance that stays open. A forked child makes its own.
+
+On a local filesystem (ext4, XFS, Btrfs, tmpfs, ...) every change is this node's, so every one
+is reported: such a watch is *complete*, and a long wait polls rarely (``ckptd.config``'s
+``poll_watched_idle_max_s``). On a shared filesystem a watch sees this node's processes only.
 """
 
 from __future__ import annotations
@@ -32,12 +36,21 @@ log = logging.getLogger("ckptd")
 _TEMP = b".tmp-"  # the temporary names of an atomic write (LocalStorage.put_atomic): not news
 _IN_MOVED_TO, _IN_CREATE, _IN_IGNORED, _IN_ONLYDIR = 0x80, 0x100, 0x8000, 0x01000000
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (struct inotify_event)
+# Filesystems whose every change the kernel of this node makes, and so reports (statfs f_type):
+# ext2-4, XFS, Btrfs, tmpfs, F2FS, ZFS, overlayfs. On any other (NFS, Lustre, GPFS, CephFS,
+# FUSE, SMB, ...) another node's change is not reported: a waiter must keep polling.
+_LOCAL_FS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010, 0x2FC12FC1,
+                       0x794C7630})
 
 
 class Watch(Protocol):
+    #: whether every change to the watched directories is reported (a local filesystem), so
+    #: that a waiter may poll rarely; False where another node may change them unseen
+    complete: bool
+
     def wait(self, timeout_s: float) -> bool:
         """Block until something appeared in a watched directory since the last call (True) or
-        ``timeout_s`` passed (False)."""
+        ``timeout_s`` passed (False); :func:`wake_all` ends it too (False)."""
         ...
 
 
@@ -115,20 +128,53 @@ def _get() -> _Notifier | None:
         return _notifier
 
 
+_woken = 0  # wake_all's count (under each notifier's condition)
+
+
+def wake_all() -> None:
+    """End every wait now (the process began exiting: its waits have a deadline to check)."""
+    global _woken
+    n = _get_existing()
+    if n is None:
+        return
+    with n.cond:
+        _woken += 1
+        n.cond.notify_all()
+
+
+def _get_existing() -> _Notifier | None:
+    n = _notifier  # no lock: one read of a reference
+    return n if n is not None and n.pid == os.getpid() else None
+
+
 class _Waiter:
-    def __init__(self, notifier: _Notifier, wds: list[int]) -> None:
-        self._n, self._wds = notifier, wds
+    def __init__(self, notifier: _Notifier, wds: list[int], complete: bool) -> None:
+        self._n, self._wds, self.complete = notifier, wds, complete
         with notifier.cond:
             self._last = sum(notifier.seen[wd] for wd in wds)
 
     def wait(self, timeout_s: float) -> bool:
         n = self._n
         with n.cond:
-            n.cond.wait_for(lambda: sum(n.seen[wd] for wd in self._wds) != self._last,
-                            max(timeout_s, 0.0))
+            woken = _woken
+            n.cond.wait_for(lambda: sum(n.seen[wd] for wd in self._wds) != self._last
+                            or _woken != woken, max(timeout_s, 0.0))
             now = sum(n.seen[wd] for wd in self._wds)
             changed, self._last = now != self._last, now
         return changed
+
+
+def _local(fd: int) -> bool:
+    """Whether the filesystem of ``fd`` is one of :data:`_LOCAL_FS` (False if unsure)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.fstatfs(fd, buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return f_type in _LOCAL_FS
 
 
 @contextlib.contextmanager
@@ -144,7 +190,8 @@ def watching(dir_fds: Sequence[int]) -> Iterator[Watch | None]:
                     wds.append(notifier.add(fd))
             except OSError as e:  # ENOSPC: fs.inotify.max_user_watches
                 log.debug("ckptd: no inotify watch for a commit wait (%s); polling only", e)
-        yield _Waiter(notifier, wds) if notifier is not None and wds else None
+        complete = len(wds) == len(dir_fds) and all(_local(fd) for fd in dir_fds)
+        yield _Waiter(notifier, wds, complete) if notifier is not None and wds else None
     finally:
         for wd in wds:
             assert notifier is not None
@@ -155,4 +202,4 @@ def no_watch() -> contextlib.AbstractContextManager[Watch | None]:
     return contextlib.nullcontext(None)
 
 
-__all__ = ["Watch", "no_watch", "watching"]
+__all__ = ["Watch", "no_watch", "wake_all", "watching"]

@@ -43,6 +43,9 @@ _jitter = random.Random()
 
 # a long wait's pause grows to this fraction of the time waited so far (config.poll_idle_max_s)
 PATIENCE = 1 / 8
+# ... and to this fraction where a complete watch (a local filesystem: ckptd.storage.watch)
+# ends the pause at every change: the polls are a safety net there
+WATCHED_PATIENCE = 1 / 2
 
 
 class Poller:
@@ -56,6 +59,11 @@ class Poller:
     together do not poll in lockstep, and none ends past the deadline. Bounded both ways: at
     most ``max(longest, poll_idle_max_s)`` between two polls, and at most about
     ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
+
+    With a ``watch`` (:meth:`Storage.watch`) a pause ends early when a name appears; with a
+    complete one (a local filesystem, where every change is reported) the pauses of a long
+    wait grow to :data:`WATCHED_PATIENCE` of the time waited, at most
+    ``config.poll_watched_idle_max_s``.
     """
 
     def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False,
@@ -87,7 +95,10 @@ class Poller:
             exiting.pause(pause)  # cut short when the process starts exiting on an error
         else:
             self.watch.wait(pause)  # cut short when what is waited for may have appeared
-        longest = min(max(self.longest, (now - self.started) * PATIENCE), self.idle_longest)
+        idle, patience = self.idle_longest, PATIENCE
+        if self.watch is not None and self.watch.complete:  # every change wakes it: poll less
+            idle, patience = max(idle, config.get().poll_watched_idle_max_s), WATCHED_PATIENCE
+        longest = min(max(self.longest, (now - self.started) * patience), idle)
         self.interval = min(self.interval * 2, longest)
         self.polls += 1
         return True
@@ -353,8 +364,9 @@ def wait_committed(
     signals = signals or GroupStore(None)
     poller = Poller(storage, config.get().commit_timeout_s)
     paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
-    # woken when the manifest appears (its failure is rare: learned at the polls' pace)
-    with storage.probe(paths) as probe, storage.watch([layout.step_dir(step)]) as watch:
+    # woken when the manifest appears, or the coordinator's FAILED marker
+    dirs = [layout.step_dir(step), layout.partials_dir(step, attempt)]
+    with storage.probe(paths) as probe, storage.watch(dirs) as watch:
         poller.watch = watch
         while True:
             if signals.committed(attempt):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ckptd.errors import CkptdError
+from ckptd.storage import watch
 
 T = TypeVar("T")
 
@@ -52,6 +53,7 @@ def begin(wait_s: float, why: str, *, follow_s: float | None = None) -> None:
             _exit = _Exit(time.monotonic(), wait_s,
                           wait_s if follow_s is None else max(0.0, follow_s), why)
         _cond.notify_all()
+    watch.wake_all()  # a wait paused on a filesystem watch checks its new deadline now
 
 
 def active() -> bool:
