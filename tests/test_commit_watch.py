@@ -137,3 +137,15 @@ def test_a_watch_of_a_local_filesystem_is_complete_and_wake_all_ends_its_wait(tm
             watch.wake_all()
             waiter.join(0.01)
         assert ended == [False]  # ended early, with nothing new
+
+
+def test_a_watch_for_some_names_is_not_woken_by_others(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d"], ["manifest.json", "FAILED"]) as named, st.watch(["d"]) as every:
+        assert named is not None and every is not None
+        st.put_atomic("d/00001.json", b"{}")  # another rank's partial
+        assert every.wait(60.0)
+        assert not named.wait(0.1)
+        st.put_atomic("d/FAILED", b"{}")
+        assert named.wait(60.0)

@@ -248,11 +248,12 @@ class Storage(ABC):
         than reading (an object store's request). By default None."""
         return contextlib.nullcontext(None)
 
-    def watch(self, dirs: Sequence[str]) -> contextlib.AbstractContextManager[Watch | None]:
+    def watch(self, dirs: Sequence[str], names: Sequence[str] | None = None,
+              ) -> contextlib.AbstractContextManager[Watch | None]:
         """For a waiter between two polls: a :class:`~ckptd.storage.watch.Watch` that ends its
-        pause as soon as a name appears in one of ``dirs`` (those that exist now), or None
-        where the backend cannot tell (then the pause is a sleep). Only a hint: the waiter
-        still polls. By default None."""
+        pause as soon as a name (any, or one of ``names``) appears in one of ``dirs`` (those
+        that exist now), or None where the backend cannot tell (then the pause is a sleep).
+        Only a hint: the waiter still polls. By default None."""
         return no_watch()
 
     def open_read(self, paths: Sequence[str]) -> ReadSession:
@@ -313,8 +314,9 @@ class Delegating(Storage):
     def probe(self, paths: Sequence[str]) -> contextlib.AbstractContextManager[Probe | None]:
         return self.inner.probe(paths) if self._native else contextlib.nullcontext(None)
 
-    def watch(self, dirs: Sequence[str]) -> contextlib.AbstractContextManager[Watch | None]:
-        return self.inner.watch(dirs) if self._native else no_watch()
+    def watch(self, dirs: Sequence[str], names: Sequence[str] | None = None,
+              ) -> contextlib.AbstractContextManager[Watch | None]:
+        return self.inner.watch(dirs, names) if self._native else no_watch()
 
     def put_visible(self, path: str, data: bytes) -> None:
         if self._native:

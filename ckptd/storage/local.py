@@ -368,15 +368,16 @@ class LocalStorage(Storage):
                     os.close(fd)
 
     @contextlib.contextmanager
-    def watch(self, dirs: Sequence[str]) -> Iterator[Watch | None]:
+    def watch(self, dirs: Sequence[str], names: Sequence[str] | None = None,
+              ) -> Iterator[Watch | None]:
         """inotify on each directory of ``dirs`` that exists now, opened without following
-        links (:mod:`ckptd.storage.watch`)."""
+        links, woken by any name or by ``names`` (:mod:`ckptd.storage.watch`)."""
         fds: list[int] = []
         try:
             for d in dirs:
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     fds.append(self._walk(self._parts(d), False))
-            with watching(fds) as w:
+            with watching(fds, names) as w:
                 yield w
         finally:
             for fd in fds:

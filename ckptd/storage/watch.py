@@ -54,6 +54,9 @@ class Watch(Protocol):
         ...
 
 
+Key = tuple[int, "str | None"]  # (watch descriptor, a name or None: any name)
+
+
 class _Notifier:
     """The process's inotify instance and the thread that reads it."""
 
@@ -64,11 +67,12 @@ class _Notifier:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         self.fd, self.pid = fd, os.getpid()
         self.cond = threading.Condition()
-        self.seen: dict[int, int] = {}  # wd -> events so far
-        self._refs: dict[int, int] = {}
+        self.seen: dict[Key, int] = {}  # events so far of what some wait asked for
+        self._refs: dict[Key, int] = {}
+        self._wds: dict[int, int] = {}  # references to each watch descriptor
         threading.Thread(target=self._read, name="ckptd-inotify", daemon=True).start()
 
-    def add(self, dir_fd: int) -> int:
+    def add(self, dir_fd: int, names: Sequence[str] | None) -> list[Key]:
         # the magic link names the directory this descriptor has open (opened without following
         # links), wherever its path leads now
         path = f"/proc/self/fd/{dir_fd}".encode()
@@ -77,15 +81,24 @@ class _Notifier:
                                               | _IN_ONLYDIR)
             if wd < 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            self._refs[wd] = self._refs.get(wd, 0) + 1  # the same directory: the same wd
-            self.seen.setdefault(wd, 0)
-            return int(wd)
+            wd = int(wd)  # the same directory: the same wd
+            self._wds[wd] = self._wds.get(wd, 0) + 1
+            keys: list[Key] = [(wd, n) for n in names] if names is not None else [(wd, None)]
+            for k in keys:
+                self._refs[k] = self._refs.get(k, 0) + 1
+                self.seen.setdefault(k, 0)
+            return keys
 
-    def remove(self, wd: int) -> None:
+    def remove(self, keys: list[Key]) -> None:
         with self.cond:
-            self._refs[wd] -= 1
-            if self._refs[wd] == 0:
-                del self._refs[wd], self.seen[wd]
+            for k in keys:
+                self._refs[k] -= 1
+                if self._refs[k] == 0:
+                    del self._refs[k], self.seen[k]
+            wd = keys[0][0]
+            self._wds[wd] -= 1
+            if self._wds[wd] == 0:
+                del self._wds[wd]
                 self._libc.inotify_rm_watch(self.fd, wd)  # gone already (directory removed): -1
 
     def _read(self) -> None:
@@ -100,11 +113,14 @@ class _Notifier:
             with self.cond:
                 while at + _HEADER.size <= len(data):
                     wd, mask, _, n = _HEADER.unpack_from(data, at)
-                    name = data[at + _HEADER.size: at + _HEADER.size + n]
+                    raw = data[at + _HEADER.size: at + _HEADER.size + n].rstrip(b"\0")
                     at += _HEADER.size + n
-                    if wd in self.seen and not mask & _IN_IGNORED and _TEMP not in name:
-                        self.seen[wd] += 1
-                        woke = True
+                    if mask & _IN_IGNORED or _TEMP in raw:
+                        continue
+                    for k in ((wd, None), (wd, raw.decode(errors="replace"))):
+                        if k in self.seen:
+                            self.seen[k] += 1
+                            woke = True
                 if woke:
                     self.cond.notify_all()
 
@@ -148,18 +164,21 @@ def _get_existing() -> _Notifier | None:
 
 
 class _Waiter:
-    def __init__(self, notifier: _Notifier, wds: list[int], complete: bool) -> None:
-        self._n, self._wds, self.complete = notifier, wds, complete
+    def __init__(self, notifier: _Notifier, keys: list[Key], complete: bool) -> None:
+        self._n, self._keys, self.complete = notifier, keys, complete
         with notifier.cond:
-            self._last = sum(notifier.seen[wd] for wd in wds)
+            self._last = self._count()
+
+    def _count(self) -> int:
+        return sum(self._n.seen[k] for k in self._keys)
 
     def wait(self, timeout_s: float) -> bool:
         n = self._n
         with n.cond:
             woken = _woken
-            n.cond.wait_for(lambda: sum(n.seen[wd] for wd in self._wds) != self._last
-                            or _woken != woken, max(timeout_s, 0.0))
-            now = sum(n.seen[wd] for wd in self._wds)
+            n.cond.wait_for(lambda: self._count() != self._last or _woken != woken,
+                            max(timeout_s, 0.0))
+            now = self._count()
             changed, self._last = now != self._last, now
         return changed
 
@@ -178,24 +197,27 @@ def _local(fd: int) -> bool:
 
 
 @contextlib.contextmanager
-def watching(dir_fds: Sequence[int]) -> Iterator[Watch | None]:
+def watching(dir_fds: Sequence[int], names: Sequence[str] | None = None,
+             ) -> Iterator[Watch | None]:
     """A :class:`Watch` of the directories open as ``dir_fds`` (the caller keeps them open
-    meanwhile), or None where inotify is not available."""
+    meanwhile) — woken by any name, or by ``names`` only —, or None where inotify is not
+    available."""
     notifier = _get() if dir_fds and sys.platform == "linux" else None
-    wds: list[int] = []
+    added: list[list[Key]] = []
     try:
         if notifier is not None:
             try:
                 for fd in dir_fds:
-                    wds.append(notifier.add(fd))
+                    added.append(notifier.add(fd, names))
             except OSError as e:  # ENOSPC: fs.inotify.max_user_watches
                 log.debug("ckptd: no inotify watch for a commit wait (%s); polling only", e)
-        complete = len(wds) == len(dir_fds) and all(_local(fd) for fd in dir_fds)
-        yield _Waiter(notifier, wds, complete) if notifier is not None and wds else None
+        complete = len(added) == len(dir_fds) and all(_local(fd) for fd in dir_fds)
+        keys = [k for ks in added for k in ks]
+        yield _Waiter(notifier, keys, complete) if notifier is not None and added else None
     finally:
-        for wd in wds:
+        for ks in added:
             assert notifier is not None
-            notifier.remove(wd)
+            notifier.remove(ks)
 
 
 def no_watch() -> contextlib.AbstractContextManager[Watch | None]:
