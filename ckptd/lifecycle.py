@@ -271,9 +271,7 @@ class Lifecycle:
             self._io.shutdown(wait=True)
             _live.discard(self)
             if self._open_args["own_storage"]:  # the directories it keeps open for reads
-                release = getattr(self.storage, "close", None)
-                if callable(release):
-                    release()
+                self.storage.close()
 
     def _check_open(self) -> None:
         if self._closed:

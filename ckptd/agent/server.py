@@ -400,9 +400,7 @@ class Agent:
         with self._lock:
             storages = [] if self._sessions or self._busy else list(self._storages.values())
         for st in storages:
-            release = getattr(st, "close", None)
-            if callable(release):
-                release()
+            st.close()
 
     def give_up(self, spec: dict[str, Any], job: JobKey) -> Callable[[list[int]], str | None]:
         """When a coordinating job of ``job``'s run stops waiting for shares that cannot

@@ -15,10 +15,10 @@ none (temp file + rename + directory fsync on a filesystem; a single PUT on an o
 ``write_file``'s ``gate`` (a writer's pace and stop: the node agent's) is called before each
 block the backend writes (``gate(nbytes)``); what it raises leaves the file unfinished.
 
-Eight methods are abstract; eight have a default that a backend overrides where it can do
-better: ``put_visible`` (atomic, not yet durable), ``probe`` (a waiter's cheap question
-whether some paths exist), ``watch`` (a waiter woken when a name appears), ``open_read``
-(a :class:`ReadSession` for one load), ``append_text``,
+Eight methods are abstract; nine have a default that a backend overrides where it can do
+better: ``close`` (release what it keeps open), ``put_visible`` (atomic, not yet durable),
+``probe`` (a waiter's cheap question whether some paths exist), ``watch`` (a waiter woken
+when a name appears), ``open_read`` (a :class:`ReadSession` for one load), ``append_text``,
 ``poll_interval_s`` (the pauses of the commit protocol's polling), ``incomplete_uploads`` and
 ``abort_incomplete_uploads`` (invisible leftovers such as S3 multipart uploads, for
 ``ckptd gc``). A user's own object with only the eight methods (``Checkpointer(storage=...)``)
@@ -255,6 +255,11 @@ class Storage(ABC):
         that exist now), or None where the backend cannot tell (then the pause is a sleep).
         Only a hint: the waiter still polls. By default None."""
         return no_watch()
+
+    def close(self) -> None:
+        """Release what the backend keeps open between calls (a filesystem's directories kept
+        for reads); it stays usable, and opens them again when needed. By default nothing."""
+        return None
 
     def open_read(self, paths: Sequence[str]) -> ReadSession:
         """The data files of one load; by default, sizes and ranged reads."""

@@ -61,8 +61,8 @@ class _Notifier:
     """The process's inotify instance and the thread that reads it."""
 
     def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)  # the libc this process already has
-        fd = self._libc.inotify_init1(os.O_CLOEXEC)
+        self.libc = ctypes.CDLL(None, use_errno=True)  # the libc this process already has
+        fd = self.libc.inotify_init1(os.O_CLOEXEC)
         if fd < 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         self.fd, self.pid = fd, os.getpid()
@@ -77,7 +77,7 @@ class _Notifier:
         # links), wherever its path leads now
         path = f"/proc/self/fd/{dir_fd}".encode()
         with self.cond:
-            wd = self._libc.inotify_add_watch(self.fd, path, _IN_MOVED_TO | _IN_CREATE
+            wd = self.libc.inotify_add_watch(self.fd, path, _IN_MOVED_TO | _IN_CREATE
                                               | _IN_ONLYDIR)
             if wd < 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
@@ -99,7 +99,7 @@ class _Notifier:
             self._wds[wd] -= 1
             if self._wds[wd] == 0:
                 del self._wds[wd]
-                self._libc.inotify_rm_watch(self.fd, wd)  # gone already (directory removed): -1
+                self.libc.inotify_rm_watch(self.fd, wd)  # gone already (directory removed): -1
 
     def _read(self) -> None:
         while True:
@@ -183,14 +183,10 @@ class _Waiter:
         return changed
 
 
-def _local(fd: int) -> bool:
+def _local(libc: ctypes.CDLL, fd: int) -> bool:
     """Whether the filesystem of ``fd`` is one of :data:`_LOCAL_FS` (False if unsure)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.fstatfs(fd, buf) != 0:
-            return False
-    except (OSError, AttributeError):
+    if libc.fstatfs(fd, buf) != 0:
         return False
     f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
     return f_type in _LOCAL_FS
@@ -211,7 +207,8 @@ def watching(dir_fds: Sequence[int], names: Sequence[str] | None = None,
                     added.append(notifier.add(fd, names))
             except OSError as e:  # ENOSPC: fs.inotify.max_user_watches
                 log.debug("ckptd: no inotify watch for a commit wait (%s); polling only", e)
-        complete = len(added) == len(dir_fds) and all(_local(fd) for fd in dir_fds)
+        complete = (notifier is not None and len(added) == len(dir_fds)
+                    and all(_local(notifier.libc, fd) for fd in dir_fds))
         keys = [k for ks in added for k in ks]
         yield _Waiter(notifier, keys, complete) if notifier is not None and added else None
     finally:

@@ -362,14 +362,13 @@ def wait_committed(
     probe where it has one (a filesystem: one ``stat`` each, no walk) — and reads only what
     appeared."""
     signals = signals or GroupStore(None)
-    poller = Poller(storage, config.get().commit_timeout_s)
     paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
     # woken when the manifest appears, or the coordinator's FAILED marker (not by the other
     # ranks' partials beside it)
     dirs = [layout.step_dir(step), layout.partials_dir(step, attempt)]
     with storage.probe(paths) as probe, \
             storage.watch(dirs, [layout.MANIFEST, layout.FAILED]) as watch:
-        poller.watch = watch
+        poller = Poller(storage, config.get().commit_timeout_s, watch=watch)
         while True:
             if signals.committed(attempt):
                 return
