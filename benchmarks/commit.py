@@ -19,6 +19,11 @@ saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds late
 thread sleeping meanwhile); the process's CPU time (``time.process_time``) over that window,
 per second of waiting, is what a rank's wait costs (no c10d store: storage only), against a
 floor of 0. Median of ``--runs``.
+
+The lag (``--lag``, 30 waits; 0 skips it): in one process, a waiter polls a directory with the
+commit protocol's poller while a thread renames a name into it 13 ms later; the figure is the
+time from the rename's return to the poll that sees it, without and with the storage's watch
+(``Storage.watch``: inotify), against a floor of 0.
 """
 
 from __future__ import annotations
@@ -141,6 +146,39 @@ def _wait_cpu(root: str, wait_s: float) -> tuple[float, int]:
     return cpu / wait_s, Counted.reads
 
 
+def _lag(root: str, waits: int, watched: bool) -> list[float]:
+    """Seconds from a name's rename into a directory (13 ms into a wait) to the waiter's next
+    poll seeing it: the commit protocol's poller, with the storage's watch or without."""
+    import threading
+
+    from ckptd.storage.local import LocalStorage
+    from ckptd.storage.watch import no_watch
+    from ckptd.writer.commit import Poller
+
+    st = LocalStorage(root)
+    out = []
+    for i in range(waits):
+        d = f"lag-{watched}-{i}"
+        st.put_atomic(f"{d}/first", b"1")
+        written: list[float] = []
+
+        def later(d: str = d, written: list[float] = written) -> None:
+            time.sleep(0.013)
+            st.put_visible(f"{d}/second", b"2")  # a rename, no fsync after it
+            written.append(time.perf_counter())
+
+        with st.watch([d]) if watched else no_watch() as watch:
+            writer = threading.Thread(target=later)
+            writer.start()
+            poller = Poller(st, 60.0, watch=watch)
+            while "second" not in st.list_dir(d):
+                poller.wait()
+            seen = time.perf_counter()
+        writer.join()
+        out.append(seen - written[0])  # < 0: seen before the writer's own fsync returned
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=8)
@@ -148,7 +186,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--wait-s", type=float, default=10.0)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--lag", type=int, default=30, help="waits of the lag figure (0: skip)")
     args = ap.parse_args(argv)
+
+    if args.lag > 0:
+        with tempfile.TemporaryDirectory(prefix="ckptd-lag-", dir=args.dir) as root:
+            for watched in (False, True):
+                xs = _lag(root, args.lag, watched)
+                print(f"learning a rename 13 ms into a wait ({args.lag} waits), "
+                      f"{'with' if watched else 'without'} the storage's watch: median "
+                      f"{statistics.median(xs) * 1e3:.2f} ms, max {max(xs) * 1e3:.2f} ms after "
+                      "it (floor 0)")
+        print()
 
     def row(name: str, xs: list[float], syncs: list[float]) -> str:
         xs = sorted(xs)

@@ -11,8 +11,8 @@ another node of a shared filesystem is not seen: a poll finds it), and where the
 
 One inotify instance per process, read by one daemon thread (``ckptd-inotify``, blocked in
 ``read`` while nothing happens) that counts the events of each watched directory: closing an
-instance costs the kernel ~10 ms (it waits for an RCU grace period), so a wait adds and removes
-a watch (microseconds) on an instance that stays open. A forked child makes its own.
+instance makes the kernel wait for an RCU grace period, so a wait adds and removes a watch (a
+cheap call) on an instance that stays open. A forked child makes its own.
 
 On a local filesystem (ext4, XFS, Btrfs, tmpfs, ...) every change is this node's, so every one
 is reported: such a watch is *complete*, and a long wait polls rarely (``ckptd.config``'s
