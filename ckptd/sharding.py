@@ -186,6 +186,7 @@ class Piece:
     view: torch.Tensor | HostArray
     replica: int = 0
     replicas: int = 1
+    frame_bytes: int = 0  # the frame size a writer uses for it (0: its framing's)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -10,7 +10,10 @@ rank: Adam's 0-d ``step`` would be 1,024 chunks at ``--to-world 1024``): a small
 (``replicate_small_bytes``) by its first holder, a larger one by the least-loaded holder. With
 ``replicate_max_share`` > 0 the small ones are written by every holder while the extra copies
 stay within that share of the checkpoint's bytes. Bytes written are at most (1 + that share) x
-the checkpoint's.
+the checkpoint's. A world several times the source's is taken in groups of that many
+consecutive ranks: a small tensor's dim-0 boxes within a group are one chunk, written by its
+first holder and framed at the ranks' boundaries (:func:`coalesce`), so the output has about
+the source's number of chunks and a rank still reads exactly its own frame.
 
 Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.elastic.waves`):
 the source regions of a run of consecutive ranks are read once, through the load planner
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd import catalog, config
 from ckptd.elastic import waves
+from ckptd.elastic.writers import RankPlan, split_writers
 from ckptd.errors import CkptdError
 from ckptd.hostarray import HostArray
 from ckptd.loader import direct
@@ -55,7 +59,6 @@ from ckptd.loader.fetch import Buffers, ReadStats, StepFiles
 from ckptd.loader.load import gap_bytes, make_plan
 from ckptd.loader.targets import Assignment, Target
 from ckptd.manifest import Chunk, Manifest, TensorEntry, codecs, layout
-from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
 from ckptd.writer import commit
@@ -64,19 +67,6 @@ from ckptd.writer.staging import StagingPool
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class RankPlan:
-    rank: int
-    holds: list[Target]
-    writes: list[Target]
-    hold_bytes: int = field(init=False)
-    write_bytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.hold_bytes = sum(t.nbytes for t in self.holds)
-        self.write_bytes = sum(t.nbytes for t in self.writes)
 
 
 @dataclass
@@ -98,58 +88,9 @@ class RankReport:
         return dict(vars(self))
 
 
-def split_writers(assignment: Assignment, replicate_small: int,
-                  max_share: float | None = None) -> list[RankPlan]:
-    """Who writes what: unique boxes by their holder; replicated ones (the same box on several
-    ranks) once, as a save writes them (one chunk, which every holder reads): a small one
-    (``replicate_small``) by its first holder, so that a restart opens one more file for all of
-    them rather than one per tensor, a larger one by the holder with the fewest bytes so far.
-    With ``max_share`` > 0 (``replicate_max_share``, default 0), small ones are written by
-    every holder instead while the extra copies stay within ``max_share`` of the distinct bytes
-    (smallest first): each rank then reads only its own files. So the bytes written are at most
-    ``1 + max_share`` times the checkpoint's."""
-    if max_share is None:
-        max_share = config.get().replicate_max_share
-    index: dict[tuple[str, Box], int] = {}  # (name, box) -> its number, in assignment order
-    target: list[Target] = []
-    holders: list[list[int]] = []
-    for r, targets in enumerate(assignment.ranks):
-        for t in targets:
-            i = index.setdefault((t.name, t.box), len(target))
-            if i == len(target):
-                target.append(t)
-                holders.append([r])
-            elif holders[i][-1] != r:
-                holders[i].append(r)
-    writes: list[list[int]] = [[] for _ in assignment.ranks]
-    load = [0] * len(assignment.ranks)
-    shared = []
-    size = [t.nbytes for t in target]
-    room = max_share * sum(size)  # bytes of extra copies allowed
-    for i in sorted(range(len(target)), key=lambda i: (size[i], target[i].name,
-                                                       target[i].box.offsets)):
-        rs = holders[i]
-        extra = (len(rs) - 1) * size[i]
-        if len(rs) == 1 or (size[i] <= replicate_small and 0 < extra <= room):
-            room -= extra
-            for r in rs:
-                writes[r].append(i)
-                load[r] += size[i]
-        elif size[i] <= replicate_small:  # once, by the first holder
-            writes[rs[0]].append(i)
-            load[rs[0]] += size[i]
-        else:
-            shared.append(i)
-    for i in sorted(shared, key=lambda i: (-size[i], target[i].name, target[i].box.offsets)):
-        owner = min(holders[i], key=lambda r: (load[r], r))
-        writes[owner].append(i)
-        load[owner] += size[i]
-    return [RankPlan(r, holds, [target[i] for i in sorted(writes[r])])
-            for r, holds in enumerate(assignment.ranks)]
-
-
 def meta_pieces(targets: list[Target]) -> list[Piece]:
-    return [Piece(t.name, t.shape, t.dtype, t.box, HostArray.meta(t.box.sizes, t.dtype))
+    return [Piece(t.name, t.shape, t.dtype, t.box, HostArray.meta(t.box.sizes, t.dtype),
+                  frame_bytes=t.frame_bytes)
             for t in targets]
 
 
@@ -184,9 +125,17 @@ class Resharder:
         self.manifest = dataclasses.replace(m, tensors={
             n: TensorEntry(e.dtype_name, e.shape, tuple(next(loaded) for _ in e.chunks))
             for n, e in m.tensors.items()})
-        self.plans = split_writers(self.assignment, self.replicate_small)
-        self.workers = max(1, min(self.threads, len(self.plans)))
+        # a world several times the source's: a group of that many consecutive ranks writes
+        # each small tensor's boxes as one chunk, so the output has about the source's number
+        # of chunks (its manifest about the source's size), not one per rank
+        # (at most 16 frames of the save's size, and a quarter of a worker's arena)
+        self.workers = max(1, min(self.threads, len(self.assignment.ranks)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
+        self.group = max(1, len(self.assignment.ranks) // max(1, m.world_size))
+        below = config.get().frame_bytes
+        self.plans = split_writers(self.assignment, self.replicate_small, group=self.group,
+                                   coalesce_below=below,
+                                   coalesce_max=min(16 * below, self.arena_budget // 4))
         self.src_dir = layout.step_dir(self.step)
         # consecutive ranks are read in waves of budget / 16 (a larger rank is a wave of its
         # own); at most two waves' regions are held at a time (one being written, the next read)
@@ -423,5 +372,6 @@ def _slot_pieces(plans: list[Any], arena: HostArray | torch.Tensor | None = None
                 view = q.view
             else:
                 view = arena[s.offset : s.offset + s.nbytes].view(q.dtype).view(q.box.sizes)
-            out.append(Piece(q.name, q.global_shape, q.dtype, q.box, view))
+            out.append(Piece(q.name, q.global_shape, q.dtype, q.box, view,
+                             frame_bytes=q.frame_bytes))
     return out

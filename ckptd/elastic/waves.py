@@ -92,4 +92,4 @@ class Regions:
                                                  box.sizes, strict=True)):
                 if n != m:  # narrow per cut dimension: cheaper than indexing by slices
                     view = view.narrow(d, o - a, n)
-        return Piece(t.name, t.shape, t.dtype, t.box, view)
+        return Piece(t.name, t.shape, t.dtype, t.box, view, frame_bytes=t.frame_bytes)

@@ -28,12 +28,14 @@ from ckptd.sharding import LOCAL_PREFIX
 @dataclass(frozen=True)
 class Target:
     """``box`` of logical tensor ``name`` (global ``shape``, ``dtype`` by its format name), held
-    by one rank."""
+    by one rank. ``frame_bytes``: the frame size to write it with (0: the writer's framing; the
+    offline reshard frames a box it coalesced from several ranks' at their boundaries)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     box: Box
+    frame_bytes: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -80,7 +80,7 @@ def write_file(
         frame_sizes = []
         for s in plan.slots:
             raw = mem[s.offset : s.offset + s.nbytes]
-            fb = frame_size(s.nbytes, s.piece.view.element_size(), framing)
+            fb = s.piece.frame_bytes or frame_size(s.nbytes, s.piece.view.element_size(), framing)
             for f in _frames_of(raw, fb):
                 pairs += (len(f), codecs.checksum_int(f))
             cuts.append(len(pairs) // 2)
@@ -97,7 +97,7 @@ def write_file(
     for s in plan.slots:
         raw = mem[s.offset : s.offset + s.nbytes]
         itemsize = s.piece.view.element_size()
-        fb = frame_size(s.nbytes, itemsize, framing)
+        fb = s.piece.frame_bytes or frame_size(s.nbytes, itemsize, framing)
         start = cursor
         encoded: list[tuple[int, int]] = []
         for f in _frames_of(raw, fb):
