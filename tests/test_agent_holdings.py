@@ -229,3 +229,23 @@ def test_the_memory_left_is_the_host_s_or_its_cgroup_s_whichever_is_less(tmp_pat
         ("/sys/fs/cgroup/pod/abc/main", node_memory._V2)]
     here = node_memory.left()  # this machine's
     assert here is not None and 0 < here[1] <= here[0]
+
+
+def test_a_step_of_a_run_not_yet_owning_the_root_outlives_the_old_owner_s_commits(memory):
+    """Rank 1 of a new run saves before its rank 0 claimed the root (owner.json still names the
+    old run, whose steps go on committing here): its step is the next owner's, not an earlier
+    run's, and stays; once the new run owns the root and commits, the old run's steps go. (It
+    was dropped at once: a restart then read rank 1 from storage, not memory.)"""
+    memory.keep(ROOT, 0, _step(memory, 4, committed=True, run="run1"))
+    memory.keep(ROOT, 1, _step(memory, 4, committed=True, run="run1"))
+    memory.keep(ROOT, 1, _step(memory, 5, run="run2"))  # owner.json: still run1
+    assert _held(memory) == [("run1", 4, None, True), ("run1", 4, None, True),
+                             ("run2", 5, None, False)]
+    memory.owners[ROOT["url"]] = "run2"  # rank 0 claims it and commits step 5
+    memory.owned_by(ROOT, "run2")
+    memory.keep(ROOT, 0, _step(memory, 5, committed=True, run="run2"))
+    assert _held(memory) == [("run2", 5, None, False), ("run2", 5, None, True)]
+    # run1 is an earlier owner now: a late copy of one of its steps is dropped at once
+    late = _step(memory, 6, origin="b", committed=True, run="run1")
+    memory.keep(ROOT, 1, late)
+    assert late.dropped

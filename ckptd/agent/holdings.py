@@ -89,6 +89,9 @@ class Holdings:
         self.used = 0
         self._kept: dict[tuple[str, int], list[HeldStep]] = {}  # (root, rank) -> newest last
         self._owner: dict[str, str] = {}  # root -> the run that owns it, as last learnt
+        # root -> the runs that owned it before (bounded: runs of one root are few; the older
+        # half goes past 64); a run never seen as owner may be the next one, not yet claimed
+        self._former: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ segments
@@ -159,7 +162,19 @@ class Holdings:
     def owned_by(self, spec: dict[str, Any], run: str) -> None:
         """``run`` owns the root (it just committed there)."""
         with self._lock:
-            self._owner[root_key(spec)] = run
+            self._set_owner_locked(root_key(spec), run)
+
+    def _set_owner_locked(self, root: str, run: str | None) -> None:
+        old = self._owner.get(root)
+        if old is not None and old != run:
+            former = self._former.setdefault(root, [])
+            if old not in former:
+                former.append(old)
+                del former[:-64]
+        if run is None:
+            self._owner.pop(root, None)
+        else:
+            self._owner[root] = run
 
     def _learn_owner(self, spec: dict[str, Any], root: str, run: str) -> None:
         """A step of ``run`` is here: if that is not the owner last learnt, ask who owns the
@@ -170,10 +185,7 @@ class Holdings:
                 return
         owner = self._owner_of(spec)  # outside the lock: it may read storage
         with self._lock:
-            if owner is None:
-                self._owner.pop(root, None)
-            else:
-                self._owner[root] = owner
+            self._set_owner_locked(root, owner)
 
     def commit_seen(self, spec: dict[str, Any], rank: int, step: int,
                   caller: Any) -> tuple[HeldStep | None, list[int]]:
@@ -224,16 +236,21 @@ class Holdings:
 
     def _floor(self, root: str) -> list[HeldStep]:
         """Once the root's owner has committed ``keep_n`` steps held here: drop every step of
-        any rank that is older (an earlier run's, or the owner's before them); returns the
-        dropped ones."""
+        any rank that is older (an earlier owner's, or the owner's before them); returns the
+        dropped ones. A run never seen owning the root is not older: it may be the next one,
+        whose rank 0 has not claimed the root yet while another rank's step is already here
+        (its rank's own trimming bounds what it keeps)."""
         owner = self._owner.get(root)
         lists = [ks for (r, _), ks in self._kept.items() if r == root]
         done = sorted({k.step for ks in lists for k in ks if k.committed and k.run == owner})
         if owner is None or len(done) < self.keep_n:
             return []
-        floor = done[-self.keep_n]
-        return [k for ks in lists
-                for k in self._drop(ks, [k for k in ks if k.run != owner or k.step < floor])]
+        floor, former = done[-self.keep_n], self._former.get(root, [])
+
+        def older(k: HeldStep) -> bool:
+            return k.step < floor if k.run == owner else not k.run or k.run in former
+
+        return [k for ks in lists for k in self._drop(ks, [k for k in ks if older(k)])]
 
     @staticmethod
     def _drop(steps: list[HeldStep], old: list[HeldStep]) -> list[HeldStep]:
