@@ -11,6 +11,7 @@ offline reshard that holds its memory budget.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -399,3 +400,86 @@ def test_a_reshard_to_many_more_ranks_keeps_the_sources_chunk_count_and_reads_ex
         assert stats is not None
         # one frame per box held (the steps: one frame each, written once by their first holder)
         assert stats.reads.frames == boxes + len(full), (rank, stats.reads.frames, boxes)
+
+
+@pytest.mark.parametrize("layout", ["dim0", "flat"])
+def test_coalesced_boxes_tile_the_ranks_boxes_and_frame_them_at_their_boundaries(
+        layout: str) -> None:
+    """The coalescing rule on its own, 64 ranks in groups of 8: FSDP2's dim-0 shards (uneven,
+    some ranks with none) and ZeRO-3's flat slices (one flat buffer over every tensor, cut evenly:
+    slices start mid-row and do not line up with the rows). The merged boxes of a group cover
+    exactly its ranks' boxes, once; each rank's box lies in one merged box; frames start at every
+    rank boundary where that keeps at most 4 frames per rank (dim 0: exactly one frame per box),
+    else a rank's box spans at most one frame more than it needs."""
+    import math
+
+    from ckptd.elastic.writers import coalesce
+    from ckptd.loader.targets import Target
+    from ckptd.regions import Box, flat_to_boxes
+
+    world, group = 64, 8
+    shapes = {"emb": (130, 16), "wq": (64, 64), "norm": (7,), "bias": (3, 4), "w1": (100, 8)}
+    ranks: list[list[Target]] = [[] for _ in range(world)]
+    if layout == "dim0":
+        for n, s in shapes.items():
+            per = -(-s[0] // world)
+            for r in range(world):
+                a, b = min(s[0], r * per), min(s[0], (r + 1) * per)
+                if b > a:
+                    ranks[r].append(Target(n, s, "float32", Box((a,) + (0,) * (len(s) - 1),
+                                                                 (b - a, *s[1:]))))
+    else:
+        starts = dict(zip(shapes, [0, *itertools.accumulate(math.prod(s) for s in shapes.values())],
+                          strict=False))
+        total = sum(math.prod(s) for s in shapes.values())
+        share = -(-total // world)
+        for r in range(world):
+            lo, hi = r * share, min(total, (r + 1) * share)
+            for n, s in shapes.items():
+                a, b = max(lo, starts[n]), min(hi, starts[n] + math.prod(s))
+                if b > a:
+                    ranks[r] += [Target(n, s, "float32", bx)
+                                 for bx in flat_to_boxes(s, a - starts[n], b - starts[n])]
+    target = [t for held in ranks for t in held]
+    holders = [[r] for r, held in enumerate(ranks) for _ in held]
+    coalesce(target, holders, group, below=1 << 20, most=16 << 20)
+    written = [(t, rs[0]) for t, rs in zip(target, holders, strict=True) if rs]
+    merged = [(t, w) for t, w in written if t.frame_bytes]
+    assert len(merged) < len(target) // 4, "most boxes merged"
+    for n, s in shapes.items():  # every element written once
+        cover = torch.zeros(s, dtype=torch.int32)
+        for t, _ in written:
+            if t.name == n:
+                cover[t.box.within(Box.whole(s))] += 1
+        assert bool((cover == 1).all()), n
+    for m, _ in merged:  # no tiny frames: at most 4 per box merged into it, and 4 more
+        inside = sum(1 for t in (t for held in ranks for t in held)
+                     if t.name == m.name and m.box.contains(t.box))
+        assert -(-m.box.numel * 4 // m.frame_bytes) <= 4 * (inside + 1), (m, inside)
+    for r, held in enumerate(ranks):
+        for t in held:
+            outer = [m for m, w in merged if m.name == t.name and m.box.contains(t.box)]
+            if not outer:  # not merged: written by its rank as it is
+                assert (t, r) in written
+                continue
+            assert len(outer) == 1 and outer[0].box.contains(t.box)
+            m = outer[0]
+            assert r // group == next(w for mm, w in merged if mm is m) // group
+            # frames of m (in elements, row-major in m) that t's elements touch
+            fe = m.frame_bytes // 4
+            first = _flat_in(m.box, t.box.offsets)
+            last = first + t.box.numel - 1
+            frames = last // fe - first // fe + 1
+            need = -(-t.box.numel // fe)
+            if layout == "dim0":
+                assert (first % fe, frames) == (0, 1), (r, t)
+            else:
+                assert frames <= need + 1, (r, t, frames, need)
+
+
+def _flat_in(box, offsets) -> int:
+    """The row-major index, within ``box``, of the element at global ``offsets``."""
+    i = 0
+    for o, a, n in zip(offsets, box.offsets, box.sizes, strict=True):
+        i = i * n + (o - a)
+    return i

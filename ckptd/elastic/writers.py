@@ -4,11 +4,12 @@ coalesced into one chunk framed at the ranks' boundaries."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ckptd import config
 from ckptd.loader.targets import Assignment, Target
-from ckptd.regions import Box
+from ckptd.regions import Box, flat_to_boxes
 
 
 @dataclass
@@ -88,37 +89,69 @@ def split_writers(assignment: Assignment, replicate_small: int,
 
 def coalesce(target: list[Target], holders: list[list[int]], group: int, below: int,
              most: int) -> None:
-    """Merge, in place, the boxes of a tensor that consecutive ranks of a group hold alone and
-    that tile whole rows along dim 0 (the same number of rows each, the last run's last box
-    possibly fewer; each smaller than ``below`` bytes; at most ``most`` bytes in all): each run
-    of two or more becomes one box,
-    appended to ``target`` with its first holder, framed at the ranks' boundaries (so a rank's
-    box is exactly one frame); the boxes it replaces keep no holder. FSDP2's dim-0 shards at a
-    thousand ranks are the case: a chunk per group, not per rank, for every small tensor."""
-    runs: dict[tuple[str, int], list[int]] = {}
+    """Merge, in place, the boxes of a tensor that ranks of one group hold alone, each smaller
+    than ``below`` bytes and contiguous in the tensor's row-major order, where they follow one
+    another without a gap: each such run of two or more boxes (at most ``most`` bytes) becomes
+    the few boxes of its flat range (:func:`ckptd.regions.flat_to_boxes`: whole rows, and a
+    part row at either end), appended to ``target`` with the run's first holder and framed so
+    that every rank's boundary is a frame's (the gcd of their distances), so a rank reads
+    exactly its own frames — unless that gcd would cut more than 4 frames per rank (slices
+    that do not line up, as ZeRO-3's): then a frame is as large as the largest slice, and a
+    rank reads at most one frame more than its own; the boxes they replace keep no holder.
+    FSDP2's dim-0 shards (a frame each) and ZeRO-3's flat slices at a thousand ranks are the
+    cases: a few chunks per group and tensor, not one per rank."""
+    runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # -> (start, stop, index)
     for i, (t, rs) in enumerate(zip(target, holders, strict=True)):
-        b = t.box
-        if (len(rs) == 1 and b.ndim and b.numel and 0 < t.nbytes < below
-                and not any(b.offsets[1:]) and b.sizes[1:] == t.shape[1:]):
-            runs.setdefault((t.name, rs[0] // group), []).append(i)
+        flat = _flat_range(t.box, t.shape)
+        if len(rs) == 1 and flat is not None and 0 < t.nbytes < below:
+            runs.setdefault((t.name, rs[0] // group), []).append((*flat, i))
     for members in runs.values():
-        members.sort(key=lambda i: target[i].box.offsets[0])
-        run: list[int] = []
-        for i in [*members, -1]:
-            if i >= 0 and run:
-                first, last = target[run[0]].box, target[run[-1]].box
-                if (target[i].box.offsets[0] == last.offsets[0] + last.sizes[0]
-                        and last.sizes[0] == first.sizes[0]
-                        and target[i].box.sizes[0] <= first.sizes[0]
-                        and (len(run) + 1) * target[run[0]].nbytes <= most):
-                    run.append(i)
-                    continue
+        members.sort()
+        run: list[tuple[int, int, int]] = []
+        for m in [*members, None]:
+            if m is not None and run and m[0] == run[-1][1] and (
+                    (m[1] - run[0][0]) * target[m[2]].nbytes // (m[1] - m[0]) <= most):
+                run.append(m)
+                continue
             if len(run) > 1:
-                t, boxes = target[run[0]], [target[j].box for j in run]
-                rows = boxes[-1].offsets[0] + boxes[-1].sizes[0] - boxes[0].offsets[0]
-                target.append(Target(t.name, t.shape, t.dtype,
-                                     Box(boxes[0].offsets, (rows, *t.shape[1:])), t.nbytes))
-                holders.append([min(holders[j][0] for j in run)])
-                for j in run:
-                    holders[j] = []
-            run = [i]
+                _merge(target, holders, run)
+            run = [m] if m is not None else []
+
+
+def _merge(target: list[Target], holders: list[list[int]], run: list[tuple[int, int, int]],
+           ) -> None:
+    t = target[run[0][2]]
+    item = t.nbytes // (run[0][1] - run[0][0])
+    start, stop = run[0][0], run[-1][1]
+    writer = min(holders[i][0] for _, _, i in run)
+    at = start
+    for box in flat_to_boxes(t.shape, start, stop):
+        end = at + box.numel
+        frame, cuts, widest = 0, 0, 0  # every rank boundary inside the box is a frame
+        for a, b, _ in run:  # boundary (the last frame may be shorter) ...
+            if at < a < end:
+                frame, cuts = math.gcd(frame, a - at), cuts + 1
+            widest = max(widest, min(b, end) - max(a, at))
+        if frame and box.numel // frame > 4 * (cuts + 1):
+            frame = widest  # ... unless that takes tiny frames: a frame per rank, over-reading
+        target.append(Target(t.name, t.shape, t.dtype, box, (frame or box.numel) * item))
+        holders.append([writer])
+        at = end
+    for _, _, i in run:
+        holders[i] = []
+
+
+def _flat_range(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``[start, stop)`` of ``box`` in ``shape``'s row-major order if it is contiguous there
+    (sizes of 1, then any, then whole dimensions), else None; None for a 0-d or empty box."""
+    n = len(shape)
+    if not n or not box.numel:
+        return None
+    j = next((d for d in range(n) if box.sizes[d] != 1), n - 1)
+    if box.sizes[j + 1:] != shape[j + 1:]:
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(n)):
+        start += box.offsets[d] * stride
+        stride *= shape[d]
+    return start, start + box.numel
