@@ -61,9 +61,9 @@ class Poller:
     ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
 
     With a ``watch`` (:meth:`Storage.watch`) a pause ends early when a name appears; with a
-    complete one (a local filesystem, where every change is reported) the pauses of a long
-    wait grow to :data:`WATCHED_PATIENCE` of the time waited, at most
-    ``config.poll_watched_idle_max_s``.
+    complete one (a local filesystem, where every change is reported) the first pause is
+    already the storage's longest, and the pauses of a long wait grow to
+    :data:`WATCHED_PATIENCE` of the time waited, at most ``config.poll_watched_idle_max_s``.
     """
 
     def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False,
@@ -72,7 +72,9 @@ class Poller:
         self.first, self.longest = poll_interval(storage)
         self.idle_longest = max(self.longest, config.get().poll_idle_max_s)
         self.coordinating = coordinating  # which exit deadline applies (ckptd.writer.exiting)
-        self.interval = self.first
+        # a complete watch ends a pause at every change of storage: a poll on a timer finds
+        # only what the process group's store alone carries (a failure storage could not take)
+        self.interval = self.longest if watch is not None and watch.complete else self.first
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
         self.polls = 0
