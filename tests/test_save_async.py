@@ -249,6 +249,26 @@ def test_a_state_larger_than_the_host_budget_is_written_in_rounds(tmp_path, capl
             c.save_async(big, step=2, overlap=True)
 
 
+def test_every_rank_logs_its_save_line_at_info_and_rank_0_alone_appends_metrics(
+        tmp_path, caplog):
+    import json
+
+    cs = [ckptd.Checkpointer(str(tmp_path), rank=r, world_size=2, run_id="job", agent=False)
+          for r in range(2)]
+    with caplog.at_level(logging.INFO, logger="ckptd"):
+        hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))},
+                           step=1) for r, c in enumerate(cs)]
+        for h in hs:
+            h.result()
+    lines = [json.loads(r.getMessage().removeprefix("ckptd save "))
+             for r in caplog.records if r.getMessage().startswith("ckptd save ")]
+    assert sorted((x["rank"], x["step"]) for x in lines) == [(0, 1), (1, 1)]
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["rank"], x["step"]) for x in metrics] == [(0, 1)]
+    for c in cs:
+        c.close()
+
+
 def test_save_result_and_metrics_line(tmp_path):
     import json
 
