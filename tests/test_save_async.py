@@ -112,6 +112,26 @@ def test_retention_runs_after_the_commit_without_holding_it_and_before_the_next_
         assert torch.equal(dst["optim"]["m"], torch.full((4096,), -3.0))
 
 
+def test_the_retention_of_successive_commits_runs_on_one_background_thread(tmp_path):
+    """A commit hands its retention to a thread that stays for the next one: no thread is
+    started between a manifest and its handle (on a busy host, waiting until a new thread
+    first runs was the longest step there)."""
+    ran: list[threading.Thread] = []
+
+    class Recorded(ckptd.KeepLast):
+        def keep(self, steps):  # type: ignore[no-untyped-def]
+            ran.append(threading.current_thread())
+            return super().keep(steps)
+
+    with ckptd.Checkpointer(str(tmp_path), retention=Recorded(1), agent=False) as c:
+        for step in range(1, 5):
+            c.save(_state(float(step)), step=step)
+    assert len(ran) == 3  # after the commits of steps 2, 3, 4 (one step: nothing to judge)
+    assert all(t is ran[0] for t in ran) and ran[0] is not threading.main_thread()
+    assert ran[0].name == "ckptd-retention" and ran[0].daemon
+    assert sorted(int(p.name[5:]) for p in tmp_path.glob("step-*")) == [4]
+
+
 def test_a_failing_retention_never_fails_a_committed_save(tmp_path, caplog):
     """Every removal fails (a bug or a storage fault, not only an OSError): each save still
     commits and returns, the failure is logged, and the next commit tries again."""
