@@ -11,6 +11,10 @@ the fsyncs durability needs (docs/format.md, *Fsyncs*) done by the ranks directl
 file and a frame table fsync'd on every rank, a partial written and renamed; after a barrier
 standing for the protocol's wait, rank 0's manifest fsync'd, renamed, its directory fsync'd,
 and ``latest`` renamed — and the fsyncs each rank's save made (counted by a storage subclass).
+The CPU column is each rank's ``time.process_time()`` over the same window (its median over the
+saves: rank 0, and the median of the other ranks); the last line also sums it over the ranks:
+W processes on fewer cores make the save CPU-bound, so this is the figure that noise from
+other work on the machine affects least.
 ``--runs`` alternates floor and saves that many times; the last table gives the medians of the
 runs' medians.
 
@@ -51,7 +55,8 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def _save_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[float], float]:
+def _save_rank(rank: int, world: int, root: str,
+               saves: int) -> tuple[list[float], float, float]:
     import ckptd
     from ckptd.storage.local import LocalStorage
 
@@ -64,16 +69,17 @@ def _save_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[float
 
     state = {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
                                   (16 * rank, 0)) for i in range(4)}
-    out = []
+    out, cpu = [], []
     with ckptd.Checkpointer(root, keep_last=2, storage=Counted(root)) as ckpt:
         for step in range(saves + WARMUP):
             if step == WARMUP:
                 Counted.syncs = 0
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ckpt.save_async(state, step=step).result()
+            cpu.append(time.process_time() - c0)
             out.append(_slowest(time.perf_counter() - t0))
-    return out[WARMUP:], Counted.syncs / saves
+    return out[WARMUP:], Counted.syncs / saves, statistics.median(cpu[WARMUP:])
 
 
 def _write(d: str, name: str, data: bytes, *, sync: bool) -> None:
@@ -87,16 +93,17 @@ def _write(d: str, name: str, data: bytes, *, sync: bool) -> None:
     os.replace(tmp, os.path.join(d, name))
 
 
-def _floor_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[float], float]:
+def _floor_rank(rank: int, world: int, root: str,
+                saves: int) -> tuple[list[float], float, float]:
     """The fsyncs a save needs (docs/format.md, *Fsyncs*), done directly, with a barrier
     standing for the protocol's wait."""
     payload = os.urandom(16 << 10)
-    out = []
+    out, cpu = [], []
     for step in range(saves + WARMUP):
         d = os.path.join(root, f"floor-{step}")
         os.makedirs(d, exist_ok=True)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for name in (f"{rank}.bin", f"{rank}.frames"):
             with open(os.path.join(d, name), "wb") as f:
                 f.write(payload if name.endswith(".bin") else payload[:256])
@@ -113,8 +120,9 @@ def _floor_rank(rank: int, world: int, root: str, saves: int) -> tuple[list[floa
                 os.close(fd)
             _write(d, "latest", payload[:16], sync=False)
         dist.barrier()
+        cpu.append(time.process_time() - c0)
         out.append(_slowest(time.perf_counter() - t0))
-    return out[WARMUP:], (4.0 if rank == 0 else 2.0)
+    return out[WARMUP:], (4.0 if rank == 0 else 2.0), statistics.median(cpu[WARMUP:])
 
 
 def _wait_cpu(root: str, wait_s: float) -> tuple[float, int]:
@@ -199,11 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                       "it (floor 0)")
         print()
 
-    def row(name: str, xs: list[float], syncs: list[float]) -> str:
+    def row(name: str, xs: list[float], syncs: list[float], cpu: list[float]) -> str:
         xs = sorted(xs)
         return (f"| {name} | {statistics.median(xs) * 1e3:.1f} ms | "
                 f"{xs[int(0.9 * (len(xs) - 1))] * 1e3:.1f} ms | {syncs[0]:g} / "
-                f"{max(syncs[1:], default=0):g} |")
+                f"{max(syncs[1:], default=0):g} | {cpu[0] * 1e3:.1f} / "
+                f"{statistics.median(cpu[1:] or [0.0]) * 1e3:.1f} ms |")
 
     if args.wait_s > 0:
         waits = []
@@ -216,17 +225,21 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{w * 1e3:.2f} ms/s, {n} manifest probes" for w, n in waits)
               + ")\n")
     medians: dict[str, list[float]] = {"save": [], "floor": []}
+    cpus: dict[str, list[float]] = {"save": [], "floor": []}
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:
             floor = multirank.run(_floor_rank, args.world, root, args.saves, timeout=600)
             saves = multirank.run(_save_rank, args.world, os.path.join(root, "ckpt"),
                                   args.saves, timeout=600)
         print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves\n")
-        print("| | median | p90 | fsyncs per save, rank 0 / others |\n|---|---:|---:|---:|")
+        print("| | median | p90 | fsyncs per save, rank 0 / others | CPU per save, rank 0 / "
+              "others |\n|---|---:|---:|---:|---:|")
         print(row("ckptd: save_async → every rank's result()", saves[0][0],
-                  [s for _, s in saves]))
+                  [s for _, s, _ in saves], [c for _, _, c in saves]))
         print(row("floor: the fsyncs it needs, barriers for the protocol", floor[0][0],
-                  [s for _, s in floor]))
+                  [s for _, s, _ in floor], [c for _, _, c in floor]))
+        for k, res in (("save", saves), ("floor", floor)):
+            cpus[k].append(sum(c for _, _, c in res))
         medians["save"].append(statistics.median(saves[0][0]))
         medians["floor"].append(statistics.median(floor[0][0]))
         print(f"\nratio (median): {medians['save'][-1] / medians['floor'][-1]:.2f}× floor\n")
@@ -234,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"medians of {args.runs} runs: save {save * 1e3:.1f} ms, floor {floor_ * 1e3:.1f} ms, "
           f"ratio {save / floor_:.2f}× (per run: "
           + ", ".join(f"{s / f:.2f}" for s, f in zip(medians['save'], medians['floor'],
-                                                    strict=True)) + ")")
+                                                    strict=True)) + "); CPU per save, all "
+          f"ranks: save {statistics.median(cpus['save']) * 1e3:.1f} ms, floor "
+          f"{statistics.median(cpus['floor']) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,25 @@ def test_one_ranks_failed_write_reaches_every_rank_in_seconds_naming_it(tmp_path
     assert not os.path.exists(tmp_path / L.manifest_path(1))
 
 
+def test_a_corrupt_partial_fails_the_step_before_the_other_ranks_finish(tmp_path):
+    """The coordinator decodes each partial as it finds it: a malformed one fails the attempt
+    (and its FAILED marker stops the other ranks' waits) while a rank is still writing."""
+    st = LocalStorage(str(tmp_path))
+    attempt = "job-000001"
+    with ckptd.Checkpointer(str(tmp_path / "src"), run_id="job") as c:
+        c.save(_w(1.0), step=1)
+        good = LocalStorage(str(tmp_path / "src"))
+        name = next(n for n in good.list_dir(L.partials_dir(1, c.read_manifest(1).attempt))
+                    if L.is_partial(n))
+        raw = good.read_bytes(f"{L.partials_dir(1, c.read_manifest(1).attempt)}/{name}")
+    st.put_atomic(L.partial_path(1, attempt, 0), raw)
+    st.put_atomic(L.partial_path(1, attempt, 1), b'{"not": "a partial"')  # rank 2: not yet
+    with pytest.raises(ckptd.CorruptCheckpoint, match="00001.json"):
+        C.coordinate(st, 1, attempt, 3, "job", timeout_s=5.0)
+    assert L.FAILED in st.list_dir(L.partials_dir(1, attempt))
+    assert not st.exists(L.manifest_path(1))
+
+
 def test_a_failed_share_is_visible_through_storage_alone(tmp_path):
     """No process group (no store): the failure record on storage carries it."""
     root = str(tmp_path)

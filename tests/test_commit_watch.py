@@ -149,3 +149,34 @@ def test_a_watch_for_some_names_is_not_woken_by_others(tmp_path):
         assert not named.wait(0.1)
         st.put_atomic("d/FAILED", b"{}")
         assert named.wait(60.0)
+
+
+class _Complete:
+    """A complete watch that records the pauses it is asked for (and reports nothing)."""
+
+    complete = True
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+
+    def wait(self, timeout_s: float) -> bool:
+        self.pauses.append(timeout_s)
+        return False
+
+
+def test_with_a_complete_watch_the_first_pause_is_already_the_longest(tmp_path):
+    """Every change wakes a complete watch: a poll on a timer can only find what the process
+    group's store alone carries, so the waits do not start with the storage's 1 ms pauses."""
+    from ckptd.writer.commit import Poller
+
+    st = LocalStorage(str(tmp_path))
+    with config.override(poll_min_s=0.001, poll_max_s=0.05):
+        complete = _Complete()
+        poller = Poller(st, 60.0, watch=complete)
+        assert poller.wait()
+        assert 0.025 <= complete.pauses[0] <= 0.05  # drawn in [1/2, 1] of the longest
+        partial = _Complete()
+        partial.complete = False  # a shared filesystem: another node's change is not seen
+        poller = Poller(st, 60.0, watch=partial)
+        assert poller.wait()
+        assert partial.pauses[0] <= 0.001

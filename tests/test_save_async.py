@@ -112,6 +112,26 @@ def test_retention_runs_after_the_commit_without_holding_it_and_before_the_next_
         assert torch.equal(dst["optim"]["m"], torch.full((4096,), -3.0))
 
 
+def test_the_retention_of_successive_commits_runs_on_one_background_thread(tmp_path):
+    """A commit hands its retention to a thread that stays for the next one: no thread is
+    started between a manifest and its handle (on a busy host, waiting until a new thread
+    first runs was the longest step there)."""
+    ran: list[threading.Thread] = []
+
+    class Recorded(ckptd.KeepLast):
+        def keep(self, steps):  # type: ignore[no-untyped-def]
+            ran.append(threading.current_thread())
+            return super().keep(steps)
+
+    with ckptd.Checkpointer(str(tmp_path), retention=Recorded(1), agent=False) as c:
+        for step in range(1, 5):
+            c.save(_state(float(step)), step=step)
+    assert len(ran) == 3  # after the commits of steps 2, 3, 4 (one step: nothing to judge)
+    assert all(t is ran[0] for t in ran) and ran[0] is not threading.main_thread()
+    assert ran[0].name == "ckptd-retention" and ran[0].daemon
+    assert sorted(int(p.name[5:]) for p in tmp_path.glob("step-*")) == [4]
+
+
 def test_a_failing_retention_never_fails_a_committed_save(tmp_path, caplog):
     """Every removal fails (a bug or a storage fault, not only an OSError): each save still
     commits and returns, the failure is logged, and the next commit tries again."""
@@ -247,6 +267,26 @@ def test_a_state_larger_than_the_host_budget_is_written_in_rounds(tmp_path, capl
         assert torch.equal(dst["w"], big["w"]) and torch.equal(dst["v"], big["v"])
         with pytest.raises(ckptd.CkptdError, match="overlap=True needs the state staged at once"):
             c.save_async(big, step=2, overlap=True)
+
+
+def test_every_rank_logs_its_save_line_at_info_and_rank_0_alone_appends_metrics(
+        tmp_path, caplog):
+    import json
+
+    cs = [ckptd.Checkpointer(str(tmp_path), rank=r, world_size=2, run_id="job", agent=False)
+          for r in range(2)]
+    with caplog.at_level(logging.INFO, logger="ckptd"):
+        hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))},
+                           step=1) for r, c in enumerate(cs)]
+        for h in hs:
+            h.result()
+    lines = [json.loads(r.getMessage().removeprefix("ckptd save "))
+             for r in caplog.records if r.getMessage().startswith("ckptd save ")]
+    assert sorted((x["rank"], x["step"]) for x in lines) == [(0, 1), (1, 1)]
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["rank"], x["step"]) for x in metrics] == [(0, 1)]
+    for c in cs:
+        c.close()
 
 
 def test_save_result_and_metrics_line(tmp_path):

@@ -141,16 +141,23 @@ class LocalStorage(Storage):
         return fd
 
     def _walk(self, parts: list[str], create: bool) -> int:
-        if create:
+        # every write walks: the common case (the root and the directories exist) costs one
+        # open per component and nothing else
+        try:
+            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+        except FileNotFoundError:
+            if not create:
+                raise
             try:
                 os.makedirs(self.root, exist_ok=True)
             except OSError as e:
                 raise storage_error(e, self.root) from e
-        fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
+        where = self.root
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
         try:
-            for i, name in enumerate(parts):
-                where = os.path.join(self.root, *parts[: i + 1])
-                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            for name in parts:
+                where = os.path.join(where, name)
                 try:
                     nxt = open_at(name, flags, fd, where, False)
                 except FileNotFoundError:

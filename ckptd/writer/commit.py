@@ -61,9 +61,9 @@ class Poller:
     ``2 + log2(longest / first) + 2 * timeout_s / longest`` polls in all.
 
     With a ``watch`` (:meth:`Storage.watch`) a pause ends early when a name appears; with a
-    complete one (a local filesystem, where every change is reported) the pauses of a long
-    wait grow to :data:`WATCHED_PATIENCE` of the time waited, at most
-    ``config.poll_watched_idle_max_s``.
+    complete one (a local filesystem, where every change is reported) the first pause is
+    already the storage's longest, and the pauses of a long wait grow to
+    :data:`WATCHED_PATIENCE` of the time waited, at most ``config.poll_watched_idle_max_s``.
     """
 
     def __init__(self, storage: Storage, timeout_s: float, *, coordinating: bool = False,
@@ -72,7 +72,9 @@ class Poller:
         self.first, self.longest = poll_interval(storage)
         self.idle_longest = max(self.longest, config.get().poll_idle_max_s)
         self.coordinating = coordinating  # which exit deadline applies (ckptd.writer.exiting)
-        self.interval = self.first
+        # a complete watch ends a pause at every change of storage: a poll on a timer finds
+        # only what the process group's store alone carries (a failure storage could not take)
+        self.interval = self.longest if watch is not None and watch.complete else self.first
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
         self.polls = 0
@@ -312,10 +314,10 @@ def coordinate(
     d = layout.partials_dir(step, attempt)
     try:
         with storage.watch([d]) as watch:
-            _wait_partials(storage, step, attempt, world_size, signals, give_up,
-                           Poller(storage, timeout_s, coordinating=True, watch=watch), timeout_s)
-        commit_partials(storage, read_partials(storage, step, attempt), run_id,
-                        generation=generation, overwrite=overwrite)
+            partials = _wait_partials(
+                storage, step, attempt, world_size, signals, give_up,
+                Poller(storage, timeout_s, coordinating=True, watch=watch), timeout_s)
+        commit_partials(storage, partials, run_id, generation=generation, overwrite=overwrite)
         committed = True
         signals.publish_committed(attempt)
     except BaseException as e:
@@ -327,17 +329,27 @@ def coordinate(
 
 def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
                    signals: GroupStore, give_up: Callable[[list[int]], str | None] | None,
-                   poller: Poller, timeout_s: float) -> None:
-    """Until every rank's partial of ``attempt`` is present; a failure raised."""
+                   poller: Poller, timeout_s: float) -> list[Manifest]:
+    """Every rank's partial of ``attempt``, decoded, once all are present (in the order of
+    :func:`read_partials`); a failure raised. Each is read and decoded in the poll that finds
+    it, while the others are still being written: once the last one appears, only it is left
+    to read. (A partial appears whole, by a rename, as the last act of its rank's share, in a
+    directory of this attempt alone: the one found is the one a read after the last would
+    find.)"""
     d = layout.partials_dir(step, attempt)
+    decoded: dict[str, Manifest] = {}
     while True:
         names = storage.list_dir(d)
         failure = _failure(storage, step, attempt, signals, names)
         if failure is not None:
             raise failure
         present = [n for n in names if layout.is_partial(n)]
+        for name in present:
+            if name not in decoded:
+                path = f"{d}/{name}"
+                decoded[name] = decode(storage.read_bytes(path), path, eager=True)
         if len(present) >= world_size:
-            break
+            return [decoded[n] for n in present]
         missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})
         why = give_up(missing) if give_up is not None else None
         if why is not None:

@@ -105,12 +105,18 @@ class Owed:
     policy keeps while a save is written; the writer's close waits for it too. Neither the
     commit that owes it nor the handle of that save waits for it, and no failure of it fails a
     save: it is logged, and the next commit owes it again. The metrics a policy reads from the
-    manifests (``KeepBest``) are remembered between runs (``_known``)."""
+    manifests (``KeepBest``) are remembered between runs (``_known``).
+
+    The thread stays for the next commit while commits come (it ends after :data:`IDLE_S`
+    without one): starting a thread per commit made the commit wait until the new thread was
+    scheduled, on a busy host the longest step between the manifest and the handle."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: threading.Thread | None = None
-        self._known: Metrics = {}  # only the one running retention touches it
+        self._cond = threading.Condition()
+        self._due: tuple[Storage, Retention] | None = None  # owed, not yet taken up
+        self._busy = False  # the thread applies one now
+        self._worker: threading.Thread | None = None
+        self._known: Metrics = {}  # only the thread touches it
 
     def owe(self, storage: Storage, policy: Retention | None) -> None:
         """After a commit: retention is due (None: every step is kept); it starts now, in the
@@ -118,18 +124,42 @@ class Owed:
         if policy is None:
             return
         self.settle()  # (one at a time: a commit owes it after the previous one was settled)
-        worker = threading.Thread(target=_retain, args=(storage, policy, self._known),
-                                  name="ckptd-retention", daemon=True)
-        with self._lock:
-            self._running = worker
-        worker.start()
+        with self._cond:
+            self._due = (storage, policy)
+            if self._worker is not None and self._worker.is_alive():
+                self._cond.notify_all()
+                return
+            self._worker = threading.Thread(target=self._work, name="ckptd-retention",
+                                            daemon=True)
+            self._worker.start()
 
     def settle(self) -> None:
         """Wait for the retention owed, if it still runs (the next save needs its space)."""
-        with self._lock:
-            worker, self._running = self._running, None
-        if worker is not None:
-            worker.join()
+        with self._cond:
+            while self._due is not None or self._busy:
+                self._cond.wait()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        with self._cond:
+            while True:
+                if not self._cond.wait_for(lambda: self._due is not None, IDLE_S):
+                    if self._worker is me:
+                        self._worker = None  # the next owe starts another
+                    return
+                assert self._due is not None
+                (storage, policy), self._due, self._busy = self._due, None, True
+                self._cond.release()
+                try:
+                    _retain(storage, policy, self._known)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+# how long the retention thread waits for the next commit before it ends
+IDLE_S = 30.0
 
 
 def _retain(storage: Storage, policy: Retention, known: Metrics) -> None:

@@ -342,10 +342,13 @@ class Saver:
                 "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
                 "wait_s": round(r.waited_s, 6),
                 "time": time.time()}
-        log.info("ckptd save %s", json.dumps(line))
+        if self.options.rank != 0 and not log.isEnabledFor(logging.INFO):
+            return  # nothing to say: no JSON made (every rank, every save)
+        text = json.dumps(line)
+        log.info("ckptd save %s", text)
         if self.options.rank == 0:
             try:
-                self.storage.append_text(layout.METRICS, json.dumps(line) + "\n")
+                self.storage.append_text(layout.METRICS, text + "\n")
             except OSError as e:
                 log.warning("ckptd: could not append metrics: %s", e)
 
