@@ -24,6 +24,12 @@ thread sleeping meanwhile); the process's CPU time (``time.process_time``) over 
 per second of waiting, is what a rank's wait costs (no c10d store: storage only), against a
 floor of 0. Median of ``--runs``.
 
+Where a tiny save's time goes (``--timeline``, instead of the rest): the same saves, each
+rank stamping (``time.time()``, one clock for all) when its staging, its partial and, on rank 0,
+the merge and the commit start or end — wrappers around those functions, nothing else changed —
+and the median over the saves of each event's time after the barrier (the slowest rank's, or
+the median rank's where said).
+
 The lag (``--lag``, 30 waits; 0 skips it): in one process, a waiter polls a directory with the
 commit protocol's poller while a thread renames a name into it 13 ms later; the figure is the
 time from the rename's return to the poll that sees it, without and with the storage's watch
@@ -187,6 +193,67 @@ def _lag(root: str, waits: int, watched: bool) -> list[float]:
     return out
 
 
+def _timeline_rank(rank: int, world: int, root: str, saves: int) -> list[dict[str, float]]:
+    """Per save: seconds after the barrier at which this rank's events happened."""
+    import functools
+
+    import ckptd
+    from ckptd.writer import commit, pipeline, save
+
+    events: dict[str, float] = {}
+
+    def stamp(owner: object, name: str, start: str | None, end: str) -> None:
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def wrapped(*a, **k):  # type: ignore[no-untyped-def]
+            if start is not None:
+                events.setdefault(start, time.time())
+            try:
+                return f(*a, **k)
+            finally:
+                events.setdefault(end, time.time())
+        setattr(owner, name, wrapped)
+
+    stamp(save.Saver, "_stage", None, "staged")
+    stamp(pipeline.RankWriter, "write_partial", None, "partial written")
+    stamp(commit, "commit_partials", "merge starts", "committed")
+    stamp(commit, "commit", "manifest write starts", "manifest written")
+    state = {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
+                                  (16 * rank, 0)) for i in range(4)}
+    out = []
+    with ckptd.Checkpointer(root, keep_last=2, agent=False) as ckpt:  # as the saves above
+        for step in range(saves + WARMUP):
+            dist.barrier()
+            events.clear()
+            t0 = time.time()
+            ckpt.save_async(state, step=step).result()
+            events["result"] = time.time()
+            out.append({k: v - t0 for k, v in events.items()})
+    return out[WARMUP:]
+
+
+def _timeline(world: int, saves: int, where: str | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="ckptd-timeline-", dir=where) as root:
+        ranks = multirank.run(_timeline_rank, world, root, saves, timeout=600)
+    print(f"where a tiny save's time goes: W = {world} gloo ranks, {saves} saves, median over "
+          "the saves of each event's time after the barrier\n")
+    print("| event | ms after the barrier |\n|---|---:|")
+    rows = [("staged (slowest rank)", "staged", max),
+            ("partial written (median rank)", "partial written", statistics.median),
+            ("partial written (slowest rank)", "partial written", max),
+            ("rank 0: merge starts", "merge starts", max),
+            ("rank 0: manifest write starts", "manifest write starts", max),
+            ("rank 0: manifest written", "manifest written", max),
+            ("result() returned (median rank)", "result", statistics.median),
+            ("result() returned (rank 0)", "result", lambda xs: xs[0]),
+            ("result() returned (slowest rank)", "result", max)]
+    for label, key, pick in rows:
+        per_save = [pick([r[i][key] for r in ranks if key in r[i]])  # type: ignore[operator]
+                    for i in range(len(ranks[0]))]
+        print(f"| {label} | {statistics.median(per_save) * 1e3:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=8)
@@ -195,7 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-s", type=float, default=10.0)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--lag", type=int, default=30, help="waits of the lag figure (0: skip)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only where a tiny save's time goes, event by event")
     args = ap.parse_args(argv)
+    if args.timeline:
+        _timeline(args.world, args.saves, args.dir)
+        return
 
     if args.lag > 0:
         with tempfile.TemporaryDirectory(prefix="ckptd-lag-", dir=args.dir) as root:

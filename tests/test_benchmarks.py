@@ -60,3 +60,18 @@ def test_the_benchmark_runs_and_leaves_nothing_behind(name, tmp_path, agents):
     assert out.returncode == 0, f"{name}.py failed:\n{out.stderr[-3000:]}"
     assert out.stdout.strip(), f"{name}.py printed nothing:\n{out.stderr[-2000:]}"
     assert not list(scratch.iterdir()), f"{name}.py left {list(scratch.iterdir())}"
+
+
+@pytest.mark.slow
+def test_the_tiny_save_timeline_prints_every_event(tmp_path, agents):
+    """``commit.py --timeline``: its wrappers still find the functions they stamp (a renamed
+    one would leave its event out of every save)."""
+    env = {**os.environ, "CKPTD_BENCH_DIR": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    env.pop("CKPTD_AGENT")
+    out = subprocess.run([sys.executable, "commit.py", "--timeline", "--world", "2", "--saves",
+                          "2", "--dir", str(tmp_path)], cwd=BENCH, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for event in ("staged", "partial written", "merge starts", "manifest written", "result()"):
+        assert f"| {event}" in out.stdout or f"| rank 0: {event}" in out.stdout, out.stdout
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
