@@ -4,6 +4,7 @@ short. The tests make every pause two minutes long, so only the watch can end a 
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import sys
@@ -180,3 +181,44 @@ def test_with_a_complete_watch_the_first_pause_is_already_the_longest(tmp_path):
         poller = Poller(st, 60.0, watch=partial)
         assert poller.wait()
         assert partial.pauses[0] <= 0.001
+
+
+class _CountedStore:
+    """A real c10d TCPStore (127.0.0.1), counting the requests made to it."""
+
+    def __init__(self) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+        self.calls: list[str] = []
+
+    def __getattr__(self, op: str):  # type: ignore[no-untyped-def]
+        self.calls.append(op)
+        return getattr(self._store, op)
+
+
+def test_with_a_complete_watch_a_commit_on_storage_is_learnt_without_asking_the_store(tmp_path):
+    """A waiting rank woken by the manifest's rename checks storage first: the store's answer
+    is a request to the coordinator's process, busy finishing that commit. Without a complete
+    watch (an object store, a shared filesystem) the store is still asked first."""
+    from ckptd.writer.commit import wait_committed
+    from ckptd.writer.group_store import GroupStore
+
+    root = str(tmp_path)
+    with ckptd.Checkpointer(root, agent=False) as ck:
+        ck.save({"w": torch.ones(3)}, step=1)
+    st = LocalStorage(root)
+    attempt = json.loads(st.read_bytes("step-000000001/manifest.json"))["attempt"]
+    counted = _CountedStore()
+    wait_committed(st, 1, attempt, GroupStore(counted))
+    assert counted.calls == []
+    monkeypatched = pytest.MonkeyPatch()
+    monkeypatched.setattr(watch, "_notifier", None)
+    monkeypatched.setattr(watch, "_failed", True)
+    try:
+        wait_committed(st, 1, attempt, GroupStore(counted))
+    finally:
+        monkeypatched.undo()
+    assert counted.calls == ["check"]

@@ -372,7 +372,9 @@ def wait_committed(
     """Block until the coordinator committed ``attempt`` (or raise its reason). Each poll asks
     the store, then whether the manifest or the FAILED marker exists — through the storage's
     probe where it has one (a filesystem: one ``stat`` each, no walk) — and reads only what
-    appeared."""
+    appeared. Where the storage's watch is complete (a local filesystem: the rename of the
+    manifest is what wakes the wait) storage is asked first: the store's answer would cost a
+    request to the coordinator's process, which is busy finishing the commit just then."""
     signals = signals or GroupStore(None)
     paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
     # woken when the manifest appears, or the coordinator's FAILED marker (not by the other
@@ -381,11 +383,14 @@ def wait_committed(
     with storage.probe(paths) as probe, \
             storage.watch(dirs, [layout.MANIFEST, layout.FAILED]) as watch:
         poller = Poller(storage, config.get().commit_timeout_s, watch=watch)
+        storage_first = watch is not None and watch.complete
         while True:
-            if signals.committed(attempt):
+            if not storage_first and signals.committed(attempt):
                 return
             manifest, failed = probe() if probe is not None else (True, True)
             if manifest and _attempt_at(storage, step) == attempt:
+                return
+            if storage_first and signals.committed(attempt):
                 return
             error = _failure(storage, step, attempt, signals, read=failed)
             if error is not None:
