@@ -61,6 +61,14 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def _tiny_state(rank: int, world: int) -> dict[str, object]:
+    """4 small tensors, 16 KiB a rank, each sharded along dim 0 over the ``world`` ranks."""
+    import ckptd
+
+    return {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
+                                 (16 * rank, 0)) for i in range(4)}
+
+
 def _save_rank(rank: int, world: int, root: str,
                saves: int) -> tuple[list[float], float, float]:
     import ckptd
@@ -73,8 +81,7 @@ def _save_rank(rank: int, world: int, root: str,
             Counted.syncs += 1
             super()._sync(fd)
 
-    state = {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
-                                  (16 * rank, 0)) for i in range(4)}
+    state = _tiny_state(rank, world)
     out, cpu = [], []
     with ckptd.Checkpointer(root, keep_last=2, storage=Counted(root)) as ckpt:
         for step in range(saves + WARMUP):
@@ -219,8 +226,7 @@ def _timeline_rank(rank: int, world: int, root: str, saves: int) -> list[dict[st
     stamp(pipeline.RankWriter, "write_partial", None, "partial written")
     stamp(commit, "commit_partials", "merge starts", "committed")
     stamp(commit, "commit", "manifest write starts", "manifest written")
-    state = {f"w{i}": ckptd.Shard(torch.full((16, 64), float(rank)), (16 * world, 64),
-                                  (16 * rank, 0)) for i in range(4)}
+    state = _tiny_state(rank, world)
     out = []
     with ckptd.Checkpointer(root, keep_last=2, agent=False) as ckpt:  # as the saves above
         for step in range(saves + WARMUP):

@@ -176,6 +176,29 @@ def flat_to_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     return out
 
 
+def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def flat_run(region: Box, within: Box) -> tuple[int, int] | None:
+    """``[lo, hi)`` flat indices of ``region`` in ``within``'s row-major flattening if it is one
+    run there, else None (the inverse of :func:`flat_to_boxes` for one box)."""
+    local = [o - w for o, w in zip(region.offsets, within.offsets, strict=True)]
+    partial = [d for d in range(region.ndim) if region.sizes[d] != within.sizes[d]]
+    # one run: every dim after the first partial one is whole, every dim before it has size 1
+    if partial and any(region.sizes[d] != 1 for d in range(partial[0])):
+        return None
+    if partial and any(d > partial[0] for d in partial):
+        return None
+    strides = row_major_strides(within.sizes)
+    lo = sum(o * s for o, s in zip(local, strides, strict=True))
+    return lo, lo + region.numel
+
+
 def copy_region(
     region: Box, src: torch.Tensor, src_box: Box, dst: torch.Tensor, dst_box: Box
 ) -> None:

@@ -385,17 +385,13 @@ def test_a_reshard_to_many_more_ranks_keeps_the_sources_chunk_count_and_reads_ex
         with ckptd.Checkpointer(dest, rank=rank, world_size=64, run_id="load") as ck:
             ck.load(dst)
         want = state(rank, 64, full)
-        boxes = 0
-        for part in ("model", "optim"):
-            for n in full:
-                got, exp = ((dst, want) if part == "model" else
-                            (dst["optim"][n], want["optim"][n]))
-                got_t = got["model"][n] if part == "model" else got["exp_avg"]
-                exp_t = exp["model"][n] if part == "model" else exp["exp_avg"]
-                assert torch.equal(got_t.local, exp_t.local), (rank, part, n)
-                boxes += got_t.local.numel() > 0
-                if part == "optim":
-                    assert got["step"].item() == 7.0
+        pairs = [(f"model/{n}", dst["model"][n], want["model"][n]) for n in full]
+        pairs += [(f"optim/{n}", dst["optim"][n]["exp_avg"], want["optim"][n]["exp_avg"])
+                  for n in full]
+        for name, got, exp in pairs:
+            assert torch.equal(got.local, exp.local), (rank, name)
+        assert all(dst["optim"][n]["step"].item() == 7.0 for n in full)
+        boxes = sum(got.local.numel() > 0 for _, got, _ in pairs)
         stats = last_stats()
         assert stats is not None
         # one frame per box held (the steps: one frame each, written once by their first holder)

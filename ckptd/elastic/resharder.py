@@ -11,9 +11,10 @@ rank: Adam's 0-d ``step`` would be 1,024 chunks at ``--to-world 1024``): a small
 ``replicate_max_share`` > 0 the small ones are written by every holder while the extra copies
 stay within that share of the checkpoint's bytes. Bytes written are at most (1 + that share) x
 the checkpoint's. A world several times the source's is taken in groups of that many
-consecutive ranks: a small tensor's dim-0 boxes within a group are one chunk, written by its
-first holder and framed at the ranks' boundaries (:func:`coalesce`), so the output has about
-the source's number of chunks and a rank still reads exactly its own frame.
+consecutive ranks: a small tensor's boxes that the ranks of a group hold one after another
+(row-major: FSDP2's dim-0 shards, ZeRO-3's flat slices) are a few chunks, written by the first
+holder and framed at the ranks' boundaries (:func:`ckptd.elastic.writers.coalesce`), so the
+output has about the source's number of chunks and a rank still reads its own frames.
 
 Reading: target ranks with little data each are read in *waves* (:mod:`ckptd.elastic.waves`):
 the source regions of a run of consecutive ranks are read once, through the load planner
@@ -125,12 +126,12 @@ class Resharder:
         self.manifest = dataclasses.replace(m, tensors={
             n: TensorEntry(e.dtype_name, e.shape, tuple(next(loaded) for _ in e.chunks))
             for n, e in m.tensors.items()})
-        # a world several times the source's: a group of that many consecutive ranks writes
-        # each small tensor's boxes as one chunk, so the output has about the source's number
-        # of chunks (its manifest about the source's size), not one per rank
-        # (at most 16 frames of the save's size, and a quarter of a worker's arena)
         self.workers = max(1, min(self.threads, len(self.assignment.ranks)))
         self.arena_budget = max(1, self.budget // (2 * self.workers))
+        # a world several times the source's: a group of that many consecutive ranks writes
+        # each small tensor's boxes as a few chunks, so the output has about the source's
+        # number of chunks (its manifest about the source's size), not one per rank; a run of
+        # boxes is at most 16 frames of the save's size and a quarter of a worker's arena
         self.group = max(1, len(self.assignment.ranks) // max(1, m.world_size))
         below = config.get().frame_bytes
         self.plans = split_writers(self.assignment, self.replicate_small, group=self.group,

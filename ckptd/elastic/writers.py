@@ -1,6 +1,7 @@
 """Who writes what in an offline reshard (:mod:`ckptd.elastic.resharder`): each target rank's
-boxes, a box several ranks hold written once, and the small dim-0 boxes of a group of ranks
-coalesced into one chunk framed at the ranks' boundaries."""
+boxes, a box several ranks hold written once, and the small boxes of a tensor that a group of
+ranks holds one after another (row-major) coalesced into a few chunks framed at the ranks'
+boundaries."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ckptd import config
 from ckptd.loader.targets import Assignment, Target
-from ckptd.regions import Box, flat_to_boxes
+from ckptd.regions import Box, flat_run, flat_to_boxes
 
 
 @dataclass
@@ -37,12 +38,12 @@ def split_writers(assignment: Assignment, replicate_small: int,
     (smallest first): each rank then reads only its own files. So the bytes written are at most
     ``1 + max_share`` times the checkpoint's.
 
-    With ``group`` > 1, the boxes of a tensor held by consecutive ranks of a group (ranks
-    ``[k * group, (k + 1) * group)``) that are each smaller than ``coalesce_below`` and tile a
-    run of whole rows along dim 0 are written as one box of at most ``coalesce_max`` bytes by
-    its first holder (:func:`coalesce`),
-    framed at the ranks' boundaries: a restart still reads exactly its own bytes, and the
-    manifest lists one chunk per group instead of one per rank."""
+    With ``group`` > 1, the boxes of a tensor that ranks of a group (ranks
+    ``[k * group, (k + 1) * group)``) hold one after another in row-major order, each smaller
+    than ``coalesce_below``, are written by the run's first holder as the few boxes of their
+    flat range, at most ``coalesce_max`` bytes a run, framed at the ranks' boundaries
+    (:func:`coalesce`): a restart still reads its own frames, and the manifest lists a few
+    chunks per group instead of one per rank."""
     if max_share is None:
         max_share = config.get().replicate_max_share
     index: dict[tuple[str, Box], int] = {}  # (name, box) -> its number, in assignment order
@@ -102,7 +103,8 @@ def coalesce(target: list[Target], holders: list[list[int]], group: int, below: 
     cases: a few chunks per group and tensor, not one per rank."""
     runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # -> (start, stop, index)
     for i, (t, rs) in enumerate(zip(target, holders, strict=True)):
-        flat = _flat_range(t.box, t.shape)
+        # (a 0-d tensor has one box: never a run of two)
+        flat = flat_run(t.box, Box.whole(t.shape))
         if len(rs) == 1 and flat is not None and 0 < t.nbytes < below:
             runs.setdefault((t.name, rs[0] // group), []).append((*flat, i))
     for members in runs.values():
@@ -139,19 +141,3 @@ def _merge(target: list[Target], holders: list[list[int]], run: list[tuple[int, 
         at = end
     for _, _, i in run:
         holders[i] = []
-
-
-def _flat_range(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """``[start, stop)`` of ``box`` in ``shape``'s row-major order if it is contiguous there
-    (sizes of 1, then any, then whole dimensions), else None; None for a 0-d or empty box."""
-    n = len(shape)
-    if not n or not box.numel:
-        return None
-    j = next((d for d in range(n) if box.sizes[d] != 1), n - 1)
-    if box.sizes[j + 1:] != shape[j + 1:]:
-        return None
-    start, stride = 0, 1
-    for d in reversed(range(n)):
-        start += box.offsets[d] * stride
-        stride *= shape[d]
-    return start, start + box.numel

@@ -23,9 +23,9 @@ from typing import Any
 from ckptd.errors import CorruptCheckpoint
 from ckptd.hostarray import flat_bytes
 from ckptd.loader.fetch import Buffers, ReadStats, StepFiles, copy_range, run_ranges
-from ckptd.loader.plan import Copy, Range, plan_load, row_major_strides
+from ckptd.loader.plan import Copy, Range, plan_load
 from ckptd.manifest import Chunk, Manifest, codecs
-from ckptd.regions import Box, flat_to_boxes
+from ckptd.regions import flat_run, flat_to_boxes
 from ckptd.sharding import Piece
 
 
@@ -43,20 +43,6 @@ class DirectRead:
     @property
     def start(self) -> int:
         return self.chunk.offset + self.frame_lo * self.chunk.frame_bytes
-
-
-def _flat_run(region: Box, within: Box) -> tuple[int, int] | None:
-    """``[lo, hi)`` flat indices of ``region`` in ``within`` if it is one run, else None."""
-    local = [o - w for o, w in zip(region.offsets, within.offsets, strict=True)]
-    partial = [d for d in range(region.ndim) if region.sizes[d] != within.sizes[d]]
-    # one run: every dim after the first partial one is whole, every dim before it has size 1
-    if partial and any(region.sizes[d] != 1 for d in range(partial[0])):
-        return None
-    if partial and any(d > partial[0] for d in partial):
-        return None
-    strides = row_major_strides(within.sizes)
-    lo = sum(o * s for o, s in zip(local, strides, strict=True))
-    return lo, lo + region.numel
 
 
 def _sub_pieces(c: Copy, lo: int, hi: int) -> list[Piece]:
@@ -91,7 +77,7 @@ def _direct(c: Copy, unit_bytes: int) -> tuple[list[DirectRead], list[Piece]] | 
     chunk, isz = c.chunk, c.itemsize
     if chunk.codec != codecs.RAW or c.piece.view.device.type != "cpu":
         return None
-    run = _flat_run(c.region, chunk.box)
+    run = flat_run(c.region, chunk.box)
     dst = c.piece.view[c.region.within(c.piece.box)]
     if run is None or not dst.is_contiguous() or dst.dim() == 0:
         return None

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptd.manifest import Chunk, Manifest, codecs
-from ckptd.regions import Box, flat_to_boxes
+from ckptd.regions import Box, flat_to_boxes, row_major_strides
 from ckptd.sharding import Piece
 
 if TYPE_CHECKING:
@@ -131,14 +131,6 @@ class LoadPlan:
                 "ranges": len(self.ranges), "reads": len(self.reads),
                 "files": len({rg.file for rg in self.ranges}),
                 "largest_range": max((rg.length for rg in self.ranges), default=0)}
-
-
-def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def frame_intervals(region: Box, within: Box, itemsize: int, frame_bytes: int,

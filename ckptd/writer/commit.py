@@ -113,11 +113,12 @@ def attempt_run(attempt: str) -> str:
 
 def read_partials(storage: Storage, step: int, attempt: str) -> list[Manifest]:
     d = layout.partials_dir(step, attempt)
-    out = []
-    for name in storage.list_dir(d):
-        if layout.is_partial(name):
-            out.append(decode(storage.read_bytes(f"{d}/{name}"), f"{d}/{name}", eager=True))
-    return out
+    return [_read_partial(storage, f"{d}/{n}") for n in storage.list_dir(d)
+            if layout.is_partial(n)]
+
+
+def _read_partial(storage: Storage, path: str) -> Manifest:
+    return decode(storage.read_bytes(path), path, eager=True)
 
 
 # ----------------------------------------------------------------------------- failures
@@ -346,8 +347,7 @@ def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
         present = [n for n in names if layout.is_partial(n)]
         for name in present:
             if name not in decoded:
-                path = f"{d}/{name}"
-                decoded[name] = decode(storage.read_bytes(path), path, eager=True)
+                decoded[name] = _read_partial(storage, f"{d}/{name}")
         if len(present) >= world_size:
             return [decoded[n] for n in present]
         missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})

@@ -337,13 +337,13 @@ class Saver:
         self.executor.saw_commit(share.rank, share.step)
 
     def _record(self, r: SaveResult) -> None:
+        if self.options.rank != 0 and not log.isEnabledFor(logging.INFO):
+            return  # nothing to say: no line made (every rank, every save)
         line = {"step": r.step, "rank": self.options.rank,
                 "world_size": self.options.world_size, "nbytes": r.nbytes,
                 "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
                 "wait_s": round(r.waited_s, 6),
                 "time": time.time()}
-        if self.options.rank != 0 and not log.isEnabledFor(logging.INFO):
-            return  # nothing to say: no JSON made (every rank, every save)
         text = json.dumps(line)
         log.info("ckptd save %s", text)
         if self.options.rank == 0:
