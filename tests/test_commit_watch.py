@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -222,3 +223,93 @@ def test_with_a_complete_watch_a_commit_on_storage_is_learnt_without_asking_the_
     finally:
         monkeypatched.undo()
     assert counted.calls == ["check"]
+
+
+def test_only_a_rename_reaches_the_reader_thread(tmp_path):
+    """A file created in a watched directory (an atomic write's temporary, a data file) is not
+    read as an event: only the rename that makes a name appear is."""
+    st = LocalStorage(str(tmp_path))
+    st.put_atomic("d/first", b"1")
+    with st.watch(["d"]) as w:
+        assert w is not None
+        n = watch._get_existing()
+        assert n is not None
+        before = n.events
+        for i in range(5):
+            with open(tmp_path / "d" / f"made-{i}", "wb"):
+                pass
+        st.put_atomic("d/second", b"2")  # a temporary created, then renamed
+        assert w.wait(60.0)
+        assert n.events - before == 1  # events come in order: the created ones came first
+
+
+def test_a_waiting_rank_is_not_woken_by_the_other_ranks_partials(tmp_path):
+    """wait_committed watches the step's directory for the manifest; the partials' directory
+    (where the coordinator's FAILED marker would be) takes every rank's partial, and each woke
+    every waiting process."""
+    from ckptd.manifest import layout
+    from ckptd.writer.commit import wait_committed
+
+    root = str(tmp_path)
+    with ckptd.Checkpointer(root, agent=False) as ck:
+        ck.save({"w": torch.ones(3)}, step=1)
+    st = LocalStorage(root)
+    path = layout.manifest_path(1)
+    raw = st.read_bytes(path)
+    attempt = json.loads(raw)["attempt"]
+    os.remove(tmp_path / path)  # not committed yet, as far as the waiter can tell
+    n = watch._get()
+    assert n is not None
+    before = n.events
+    done: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            wait_committed(st, 1, attempt)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            done.append(e)
+
+    waiter = _later(wait)
+    while not n._wds and waiter.is_alive():  # its watch is in place
+        time.sleep(0.001)
+    for r in range(1, 5):  # the other ranks' partials land beside the FAILED marker's place
+        st.put_visible(f"{layout.partials_dir(1, attempt)}/{r:05d}.json", b"{}")
+    st.put_atomic(path, raw)  # the commit
+    waiter.join(60.0)
+    assert done == [None]
+    assert n.events - before <= 1  # the manifest's rename (before: 2 per partial, and 2)
+
+
+def test_with_a_complete_watch_a_wait_woken_by_storage_asks_the_store_nothing(tmp_path):
+    """A waiting rank whose wait the manifest's rename ends, and a coordinator whose waits the
+    partials end, make no request to the process group's store (served by the coordinator's
+    process): it carries only what storage could not take, asked after a pause the watch did
+    not end."""
+    from ckptd.manifest import layout
+    from ckptd.writer.commit import coordinate, wait_committed
+    from ckptd.writer.group_store import GroupStore
+
+    root = str(tmp_path)
+    with ckptd.Checkpointer(root, agent=False) as ck:
+        ck.save({"w": torch.ones(3)}, step=1)
+    st = LocalStorage(root)
+    path = layout.manifest_path(1)
+    raw = st.read_bytes(path)
+    attempt = json.loads(raw)["attempt"]
+    os.remove(tmp_path / path)
+    n = watch._get()
+    assert n is not None
+    counted = _CountedStore()
+    with config.override(**LONG):  # only the watch ends a pause in time
+        waiter = _later(lambda: wait_committed(st, 1, attempt, GroupStore(counted)))
+        while not n._wds and waiter.is_alive():  # its watch is in place
+            time.sleep(0.001)
+        st.put_atomic(path, raw)
+        waiter.join(60.0)
+        assert not waiter.is_alive()
+        assert counted.calls == []
+        # the coordinator: its partials are all there; it merges and commits (again)
+        coordinate(st, 1, attempt, 1, attempt.rpartition("-")[0], signals=GroupStore(counted),
+                   overwrite=True)
+    assert counted.calls == ["set"]  # the commit published, nothing asked

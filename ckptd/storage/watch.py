@@ -3,7 +3,7 @@
 The commit protocol's waits poll storage (the coordinator for the ranks' partials, every other
 rank for the manifest) with pauses that grow while they wait; a poll that just missed what it
 waits for learns it one pause later. Where the kernel can tell, a :class:`Watch` ends the pause
-as soon as a name is renamed or created into a watched directory — on a local filesystem, and
+as soon as a name is renamed into a watched directory — on a local filesystem, and
 on a shared one for what this node's processes write — so a tiny save costs its fsyncs, not its
 pauses. Polling stays the source of truth: the watch only ends a pause early (a change made by
 another node of a shared filesystem is not seen: a poll finds it), and where there is no inotify
@@ -33,8 +33,10 @@ from typing import Protocol
 
 log = logging.getLogger("ckptd")
 
-_TEMP = b".tmp-"  # the temporary names of an atomic write (LocalStorage.put_atomic): not news
-_IN_MOVED_TO, _IN_CREATE, _IN_IGNORED, _IN_ONLYDIR = 0x80, 0x100, 0x8000, 0x01000000
+# Only renames: every name a wait is for appears by one (LocalStorage.put_atomic and
+# put_visible), and an atomic write's temporary file, created first, is not news — nor does
+# it wake the reader thread of every waiting process (each rank's partial did, twice)
+_IN_MOVED_TO, _IN_IGNORED, _IN_ONLYDIR = 0x80, 0x8000, 0x01000000
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (struct inotify_event)
 # Filesystems whose every change the kernel of this node makes, and so reports (statfs f_type):
 # ext2-4, XFS, Btrfs, tmpfs, F2FS, ZFS, overlayfs. On any other (NFS, Lustre, GPFS, CephFS,
@@ -70,6 +72,7 @@ class _Notifier:
         self.seen: dict[Key, int] = {}  # events so far of what some wait asked for
         self._refs: dict[Key, int] = {}
         self._wds: dict[int, int] = {}  # references to each watch descriptor
+        self.events = 0  # names read so far (tests: what wakes the reader thread)
         threading.Thread(target=self._read, name="ckptd-inotify", daemon=True).start()
 
     def add(self, dir_fd: int, names: Sequence[str] | None) -> list[Key]:
@@ -77,8 +80,7 @@ class _Notifier:
         # links), wherever its path leads now
         path = f"/proc/self/fd/{dir_fd}".encode()
         with self.cond:
-            wd = self.libc.inotify_add_watch(self.fd, path, _IN_MOVED_TO | _IN_CREATE
-                                              | _IN_ONLYDIR)
+            wd = self.libc.inotify_add_watch(self.fd, path, _IN_MOVED_TO | _IN_ONLYDIR)
             if wd < 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             wd = int(wd)  # the same directory: the same wd
@@ -115,8 +117,9 @@ class _Notifier:
                     wd, mask, _, n = _HEADER.unpack_from(data, at)
                     raw = data[at + _HEADER.size: at + _HEADER.size + n].rstrip(b"\0")
                     at += _HEADER.size + n
-                    if mask & _IN_IGNORED or _TEMP in raw:
+                    if mask & _IN_IGNORED:  # a watch removed
                         continue
+                    self.events += 1
                     for k in ((wd, None), (wd, raw.decode(errors="replace"))):
                         if k in self.seen:
                             self.seen[k] += 1

@@ -39,6 +39,7 @@ from ckptd.writer.group_store import GroupStore
 log = logging.getLogger("ckptd")
 
 _jitter = random.Random()
+_NO_SIGNALS = GroupStore(None)
 
 
 # a long wait's pause grows to this fraction of the time waited so far (config.poll_idle_max_s)
@@ -79,6 +80,16 @@ class Poller:
         self.deadline = self.started + timeout_s
         self.polls = 0
         self.abandoned = False  # it ended early: the process is exiting on an error
+        # whether a complete watch ended the last pause (the first poll counts as woken)
+        self._woken = watch is not None and watch.complete
+
+    def signals(self, signals: GroupStore) -> GroupStore:
+        """The process group's store for this poll, or an inert one when a complete watch
+        ended the last pause: storage changed, and storage is what to read — the store's
+        answer is a request to the coordinator's process, busy with that change. What the
+        store alone carries (a failure storage could not take) is asked after a pause the
+        watch did not end: at worst one pause later."""
+        return _NO_SIGNALS if self._woken else signals
 
     def wait(self) -> bool:
         """Pause before the next poll; False (without pausing) once the deadline has passed,
@@ -95,8 +106,9 @@ class Poller:
         pause = min(self.interval * _jitter.uniform(0.5, 1.0), end - now)
         if self.watch is None or exit_at is not None:
             exiting.pause(pause)  # cut short when the process starts exiting on an error
-        else:
-            self.watch.wait(pause)  # cut short when what is waited for may have appeared
+            self._woken = False
+        else:  # cut short when what is waited for may have appeared
+            self._woken = self.watch.wait(pause) and self.watch.complete
         idle, patience = self.idle_longest, PATIENCE
         if self.watch is not None and self.watch.complete:  # every change wakes it: poll less
             idle, patience = max(idle, config.get().poll_watched_idle_max_s), WATCHED_PATIENCE
@@ -341,7 +353,7 @@ def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
     decoded: dict[str, Manifest] = {}
     while True:
         names = storage.list_dir(d)
-        failure = _failure(storage, step, attempt, signals, names)
+        failure = _failure(storage, step, attempt, poller.signals(signals), names)
         if failure is not None:
             raise failure
         present = [n for n in names if layout.is_partial(n)]
@@ -373,26 +385,30 @@ def wait_committed(
     the store, then whether the manifest or the FAILED marker exists — through the storage's
     probe where it has one (a filesystem: one ``stat`` each, no walk) — and reads only what
     appeared. Where the storage's watch is complete (a local filesystem: the rename of the
-    manifest is what wakes the wait) storage is asked first: the store's answer would cost a
-    request to the coordinator's process, which is busy finishing the commit just then."""
+    manifest is what wakes the wait) storage is asked first, and the store only after a pause
+    the watch did not end (:meth:`Poller.signals`): the store's answer would cost a request to
+    the coordinator's process, which is busy finishing the commit just then.
+
+    The watch is on the step's directory alone, woken by the manifest: the FAILED marker's
+    directory holds every rank's partial, and watching it woke every waiting process once per
+    partial of every save. A failure is learnt at the next poll (the store's, and storage's
+    marker), on a long wait up to ``config.poll_watched_idle_max_s`` later."""
     signals = signals or GroupStore(None)
     paths = [layout.manifest_path(step), layout.failed_path(step, attempt)]
-    # woken when the manifest appears, or the coordinator's FAILED marker (not by the other
-    # ranks' partials beside it)
-    dirs = [layout.step_dir(step), layout.partials_dir(step, attempt)]
     with storage.probe(paths) as probe, \
-            storage.watch(dirs, [layout.MANIFEST, layout.FAILED]) as watch:
+            storage.watch([layout.step_dir(step)], [layout.MANIFEST]) as watch:
         poller = Poller(storage, config.get().commit_timeout_s, watch=watch)
         storage_first = watch is not None and watch.complete
         while True:
-            if not storage_first and signals.committed(attempt):
+            store = poller.signals(signals)
+            if not storage_first and store.committed(attempt):
                 return
             manifest, failed = probe() if probe is not None else (True, True)
             if manifest and _attempt_at(storage, step) == attempt:
                 return
-            if storage_first and signals.committed(attempt):
+            if storage_first and store.committed(attempt):
                 return
-            error = _failure(storage, step, attempt, signals, read=failed)
+            error = _failure(storage, step, attempt, store, read=failed)
             if error is not None:
                 raise error
             if not poller.wait():
