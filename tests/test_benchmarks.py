@@ -75,3 +75,20 @@ def test_the_tiny_save_timeline_prints_every_event(tmp_path, agents):
     for event in ("staged", "partial written", "merge starts", "manifest written", "result()"):
         assert f"| {event}" in out.stdout or f"| rank 0: {event}" in out.stdout, out.stdout
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_tiny_save_through_the_node_agent_runs_and_stops_its_agent(tmp_path, agents):
+    """``commit.py --agent``: the default path's figure, with the agent's CPU read from /proc;
+    the agent it started is stopped at the end (no ``pgrep`` finds it: the fixture checks)."""
+    env = {**os.environ, "CKPTD_BENCH_DIR": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    env.pop("CKPTD_AGENT")
+    out = subprocess.run([sys.executable, "commit.py", "--agent", "--world", "2", "--saves",
+                          "2", "--runs", "1", "--wait-s", "0", "--lag", "0", "--dir",
+                          str(tmp_path)], cwd=BENCH, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| ckptd (node agent): save_async" in out.stdout, out.stdout
+    assert "| in the agent |" in out.stdout, out.stdout
+    assert "stopped" in out.stdout, out.stdout
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
