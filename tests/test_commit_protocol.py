@@ -391,3 +391,45 @@ def test_a_rank_waiting_for_the_commit_polls_without_walking_paths(tmp_path):
     assert seen["manifest_reads"] >= 1
     for c in (c0, c1):
         c.close()
+
+
+def test_a_coordinator_takes_the_partials_its_process_wrote_and_merges_the_same_bytes(
+        tmp_path, monkeypatch):
+    """Ranks saving in one process (as a node agent writes its node's ranks) leave their
+    partials in memory for its coordinator: none is read back, and the manifest is the one the
+    partials on storage merge into, byte for byte — tensors sharded, replicated and empty,
+    values of every kind, per-rank values, training metadata."""
+    from dataclasses import replace
+
+    from ckptd.manifest import decode, merge
+    from ckptd.storage.local import LocalStorage
+    from ckptd.writer import commit
+
+    reads: list[str] = []
+    real = commit._read_partial
+    monkeypatch.setattr(commit, "_read_partial",
+                        lambda st, path: reads.append(path) or real(st, path))
+    root = str(tmp_path)
+    cs = _sim(root, 3, agent=False)
+    hs = []
+    for r, c in enumerate(cs):
+        state = {
+            "w": ckptd.Shard(torch.full((2, 3), float(r)), (6, 3), (2 * r, 0)),
+            "shared": torch.arange(5.0),  # replicated: one rank writes it
+            "empty": torch.zeros(0, 4),
+            "lr": 3e-4, "name": "run", "flags": (True, None, 2), "nested": {"a": [1, 2.5]},
+            "blob": b"\x00\xff",
+            "loader": ckptd.Local({"position": 100 + r}),
+        }
+        hs.append(c.save_async(state, step=4, training={"tokens": 123, "mix": [0.5, 0.5]}))
+    for h in hs:
+        h.result()
+    assert reads == []  # each partial taken from memory (before: one read per rank)
+    st = LocalStorage(root)
+    raw = st.read_bytes(L.manifest_path(4))
+    committed = decode(raw, "m")
+    again = replace(merge(commit.read_partials(st, 4, committed.attempt)),
+                    generation=committed.generation)
+    assert again.encode() == raw
+    for c in cs:
+        c.close()

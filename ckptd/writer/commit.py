@@ -33,7 +33,7 @@ from ckptd.manifest.envelope import open_doc
 from ckptd.storage import Storage
 from ckptd.storage.base import poll_interval
 from ckptd.storage.watch import Watch
-from ckptd.writer import exiting
+from ckptd.writer import exiting, own_partials
 from ckptd.writer.group_store import GroupStore
 
 log = logging.getLogger("ckptd")
@@ -359,7 +359,8 @@ def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
         present = [n for n in names if layout.is_partial(n)]
         for name in present:
             if name not in decoded:
-                decoded[name] = _read_partial(storage, f"{d}/{name}")
+                path = f"{d}/{name}"
+                decoded[name] = own_partials.take(storage, path) or _read_partial(storage, path)
         if len(present) >= world_size:
             return [decoded[n] for n in present]
         missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})

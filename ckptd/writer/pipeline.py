@@ -29,6 +29,7 @@ from ckptd.manifest.schema import ReplicaSet, names_digest
 from ckptd.regions import Box
 from ckptd.sharding import Piece
 from ckptd.storage import Storage
+from ckptd.writer import own_partials
 from ckptd.writer.files import ChunkList, Framing, gather, write_file
 from ckptd.writer.memcopy import copy_all
 from ckptd.writer.pack import PIECE_ALIGN, FilePlan, pack
@@ -240,11 +241,7 @@ class RankWriter:
     def write_partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
         """The rank's frame table, then its partial manifest (which names slices of it)."""
         partial = self.partial(share, chunks)
-        # visible, not synced: the live coordinator reads it; after a power loss a lost partial
-        # only means a takeover cannot commit this attempt (docs/format.md, *Fsyncs*)
-        self.storage.put_visible(
-            layout.partial_path(share.step, share.attempt, share.rank), partial.encode()
-        )
+        own_partials.put_partial(self.storage, partial)
         return partial
 
     def partial(self, share: Share, chunks: list[tuple[str, Chunk]]) -> Manifest:
