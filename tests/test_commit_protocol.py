@@ -403,8 +403,9 @@ def test_a_coordinator_takes_the_partials_its_process_wrote_and_merges_the_same_
 
     from ckptd.manifest import decode, merge
     from ckptd.storage.local import LocalStorage
-    from ckptd.writer import commit
+    from ckptd.writer import commit, own_partials
 
+    monkeypatch.setattr(own_partials, "_every_rank", True)  # as the node agent does
     reads: list[str] = []
     real = commit._read_partial
     monkeypatch.setattr(commit, "_read_partial",
@@ -431,5 +432,28 @@ def test_a_coordinator_takes_the_partials_its_process_wrote_and_merges_the_same_
     again = replace(merge(commit.read_partials(st, 4, committed.attempt)),
                     generation=committed.generation)
     assert again.encode() == raw
+    for c in cs:
+        c.close()
+
+
+def test_a_rank_saving_in_process_keeps_no_partial_but_rank_0_s(tmp_path, monkeypatch):
+    """Outside the node agent only rank 0's own partial is kept for its coordinator: another
+    rank's would never be taken (its coordinator is another process) and would stay until 64
+    newer ones pushed it out. What is kept holds no chunk's frame table (a large save's are
+    large): the manifest names them by reference."""
+    from ckptd.writer import own_partials
+
+    kept: list[tuple[str, object]] = []
+    real = own_partials._kept.put
+    monkeypatch.setattr(own_partials._kept, "put",
+                        lambda st, path, p: kept.append((path, p)) or real(st, path, p))
+    cs = _sim(str(tmp_path), 2, agent=False)
+    hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))}, step=1)
+          for r, c in enumerate(cs)]
+    for h in hs:
+        h.result()
+    assert [path.rpartition("/")[2] for path, _ in kept] == ["00000.json"]
+    chunks = [c for e in kept[0][1].tensors.values() for c in e.chunks]  # type: ignore[attr-defined]
+    assert chunks and all(c.frames is None and c.ref is not None for c in chunks)
     for c in cs:
         c.close()

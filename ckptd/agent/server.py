@@ -46,7 +46,7 @@ from ckptd.agent.shm import remove_stale, unlink
 from ckptd.agent.upkeep import Upkeep, release_after_s
 from ckptd.errors import CkptdError
 from ckptd.storage import Storage, open_storage
-from ckptd.writer import exiting
+from ckptd.writer import exiting, own_partials
 
 log = logging.getLogger("ckptd.agent")
 
@@ -419,6 +419,7 @@ class Agent:
 def main(node: str, directory: str, idle_exit_s: float, keep_in_memory: int = 1,
          budget: int | None = None, lock_fd: int | None = None,
          release_s: float | None = None) -> int:
+    own_partials.keep_every_rank()  # its coordinator takes the node's partials from memory
     return Agent(node, directory, idle_exit_s, keep_in_memory, budget, release_s).run(lock_fd)
 
 

@@ -6,23 +6,25 @@ about a tenth of the agent's CPU per save), a saving rank 0 its own.
 A partial is put in place by one rename of exactly ``encode()`` of the object kept, so the one
 taken is the one a read would decode (``tests/test_commit_protocol.py`` checks that the merge
 is the same, byte for byte). The coordinator still lists the directory: what is present
-decides, never this memory. Bounded: the :data:`_Kept.KEEP` newest (a rank that does not
-coordinate never takes its own).
+decides, never this memory. What is kept is bounded: only rank 0's partial, unless the process
+writes for several ranks (:func:`keep_every_rank`: the node agent); the :data:`_Kept.KEEP`
+newest; each without its chunks' frame tables (the manifest names them by reference only).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 
-from ckptd.manifest import Manifest, layout
+from ckptd.manifest import Chunk, Manifest, TensorEntry, layout
 from ckptd.storage import Storage
 
 
 class _Kept:
     """Partials by (storage URL, path), oldest first."""
 
-    KEEP = 256
+    KEEP = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -42,6 +44,14 @@ class _Kept:
 
 
 _kept = _Kept()
+_every_rank = False
+
+
+def keep_every_rank() -> None:
+    """This process writes several ranks' shares (the node agent): keep every rank's partial,
+    not only rank 0's, for a coordinator here."""
+    global _every_rank
+    _every_rank = True
 
 
 def put_partial(storage: Storage, partial: Manifest) -> None:
@@ -51,8 +61,18 @@ def put_partial(storage: Storage, partial: Manifest) -> None:
     rename: that coordinator may list the file the moment it appears)."""
     assert partial.rank is not None
     path = layout.partial_path(partial.step, partial.attempt, partial.rank)
-    _kept.put(storage, path, partial)
+    if partial.rank == 0 or _every_rank:
+        _kept.put(storage, path, _without_frames(partial))
     storage.put_visible(path, partial.encode())
+
+
+def _without_frames(partial: Manifest) -> Manifest:
+    """``partial`` as a reader decodes it: its chunks name their frame tables, not hold them."""
+    return dataclasses.replace(partial, tensors={
+        n: TensorEntry(e.dtype_name, e.shape, tuple(
+            Chunk(c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, None, c.rank, c.ref)
+            for c in e.chunks))
+        for n, e in partial.tensors.items()})
 
 
 def take(storage: Storage, path: str) -> Manifest | None:
