@@ -175,6 +175,34 @@ def test_a_save_fsyncs_its_data_its_frame_table_and_its_manifest_only(tmp_path):
     assert not any("/ranks/" in n or n.startswith("latest") for n in names), names
 
 
+def test_a_small_one_file_save_is_written_by_its_save_thread_and_a_larger_one_by_the_io_threads(
+        tmp_path):
+    """A state that makes one small file: the save thread writes it itself (no hand-off to an
+    I/O thread and back, which costs more than the write on a busy host); several files still
+    go to the I/O threads, in parallel. Either way the data loads back bit-exact."""
+    from ckptd import config
+
+    writers: list[tuple[int, str]] = []
+
+    class Threads(LocalStorage):
+        def write_file(self, path, parts, gate=None):  # type: ignore[no-untyped-def]
+            if path.endswith(".bin"):
+                step = int(path.split("/")[0].removeprefix("step-"))
+                writers.append((step, threading.current_thread().name))
+            return super().write_file(path, parts, gate)
+
+    with ckptd.Checkpointer(str(tmp_path), storage=Threads(str(tmp_path)), agent=False) as c:
+        c.save(_state(1.0), step=1)
+        with config.override(min_file_bytes=8192, pipelined_staging=0):
+            c.save(_state(2.0), step=2)
+        assert torch.equal(_load(c, 1)["model"]["b"], torch.full((64, 64), 1.0))
+        assert torch.equal(_load(c, 2)["optim"]["m"], torch.full((4096,), -2.0))
+    one = [name for step, name in writers if step == 1]
+    several = [name for step, name in writers if step == 2]
+    assert len(one) == 1 and one[0].startswith("ckptd-save"), writers
+    assert len(several) > 1 and all(n.startswith("ckptd-io") for n in several), writers
+
+
 def test_staging_buffers_are_reused_and_grow_only_when_the_state_grows(tmp_path):
     with ckptd.Checkpointer(str(tmp_path)) as c:
         c.save(_state(1.0), step=1)
