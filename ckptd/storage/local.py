@@ -146,8 +146,8 @@ class LocalStorage(Storage):
         # then the rest in one openat2 that follows no link and stays below the root. As safe
         # as the walk below — each call resolves the whole path again, so a directory replaced
         # by a link since the last call is refused — in three system calls instead of two per
-        # component (each costs ~10 us of CPU with eight ranks on two cores). Anything else (a
-        # directory to make, a link, no openat2 here) takes the walk, which names the problem.
+        # component. Anything else (a directory to make, a link, no openat2 here) takes the
+        # walk, which makes the directories and names the problem.
         if parts:
             fd = self._walk_beneath(parts)
             if fd is not None:

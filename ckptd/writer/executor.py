@@ -115,7 +115,8 @@ class Executor(Protocol):
 
 
 class InProcess:
-    """This process's own I/O threads run the jobs (``io``, shared with loads)."""
+    """This process's own I/O threads run the jobs (``io``, shared with loads); a job of one
+    file of at most ``INLINE_BYTES`` is written by the save thread itself, in :meth:`finish`."""
 
     name = "process"
     spare_arenas = 0
