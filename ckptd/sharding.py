@@ -412,12 +412,29 @@ def _check_unique(pieces: list[Piece]) -> None:
 
 def _tuple(name: str, what: str, seq: Sequence[int]) -> Shape:
     try:
-        return tuple(int(v) for v in seq)
+        return tuple(map(int, seq))
     except TypeError as e:
         raise StateMismatch(f"{name}: {what} must be a sequence of ints, got {seq!r}") from e
 
 
+# The boxes _checked_box validated, by its exact inputs (a Box is immutable): a state saved every
+# few steps describes the same boxes each time. Bounded: emptied when full.
+_BOXES: dict[tuple[Shape, Shape, Shape], Box] = {}
+_BOXES_MAX = 1 << 16
+
+
 def _checked_box(name: str, global_shape: Shape, offsets: Shape, sizes: Shape) -> Box:
+    key = (global_shape, offsets, sizes)
+    box = _BOXES.get(key)
+    if box is None:
+        box = _new_box(name, global_shape, offsets, sizes)
+        if len(_BOXES) >= _BOXES_MAX:
+            _BOXES.clear()
+        _BOXES[key] = box
+    return box
+
+
+def _new_box(name: str, global_shape: Shape, offsets: Shape, sizes: Shape) -> Box:
     if not (len(global_shape) == len(offsets) == len(sizes)):
         raise StateMismatch(
             f"{name}: rank mismatch: global shape {global_shape}, offsets {offsets}, sizes {sizes}"

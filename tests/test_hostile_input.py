@@ -25,6 +25,7 @@ from ckptd.manifest.envelope import seal
 from ckptd.manifest.parse import decode, whole_doc
 from ckptd.manifest.rows import AT
 from ckptd.manifest.schema import encode_doc
+from ckptd.storage import posix
 from ckptd.storage.local import LocalStorage
 
 N = 4096  # elements of each 1-D tensor
@@ -310,6 +311,50 @@ def test_retention_never_deletes_through_a_symlinked_step(tmp_path):
         c.save({"w": torch.ones(2)}, step=2)  # retention then looks at step 1
         c.save({"w": torch.ones(2)}, step=3)
     assert os.path.exists(outside / L.MANIFEST)  # nothing deleted through the link
+
+
+def test_a_directory_replaced_by_a_link_between_two_writes_receives_nothing(tmp_path):
+    """Each write resolves its directories again, without following a link: a data directory
+    swapped for a link to elsewhere after the first file is refused at the second."""
+    s = LocalStorage(str(tmp_path / "root"))
+    s.write_file("step-000000001/data/a/r0-0.bin", [b"first"])
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(tmp_path / "root" / "step-000000001" / "data", elsewhere)
+    os.symlink(elsewhere, tmp_path / "root" / "step-000000001" / "data")
+    with pytest.raises(StorageError, match=r"step-000000001/data: a symbolic link inside the "
+                                           r"checkpoint root"):
+        s.write_file("step-000000001/data/a/r0-1.bin", [b"second"])
+    with pytest.raises(StorageError, match="a symbolic link inside the checkpoint root"):
+        s.put_atomic("step-000000001/data/a/partial.json", b"{}")
+    assert sorted(os.listdir(elsewhere / "a")) == ["r0-0.bin"]
+
+
+@pytest.mark.skipif(not posix._openat2_ok, reason="no openat2(2) on this system")
+def test_a_write_below_existing_directories_opens_them_in_one_call(tmp_path, monkeypatch):
+    """With openat2(2): the root, then the directories below it in one call that follows no
+    link (not one open per component: on a shared filesystem each is a metadata operation)."""
+    import ckptd.storage.local as local
+
+    s = LocalStorage(str(tmp_path / "root"))
+    s.write_file("step-000000001/data/a/r0-0.bin", [b"first"])  # makes the directories
+    walked: list[str] = []
+
+    def counted(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        walked.append(name)
+        return posix.open_at(name, *args, **kwargs)
+
+    beneath: list[str] = []
+
+    def counted_beneath(dir_fd, path, *args):  # type: ignore[no-untyped-def]
+        beneath.append(path)
+        return posix.open_beneath(dir_fd, path, *args)
+
+    monkeypatch.setattr(local, "open_at", counted)
+    monkeypatch.setattr(local, "open_beneath", counted_beneath)
+    s.write_file("step-000000001/data/a/r0-1.bin", [b"second"])
+    assert walked == ["r0-1.bin"] and beneath == ["step-000000001/data/a"], (walked, beneath)
+    with open(tmp_path / "root" / "step-000000001" / "data" / "a" / "r0-1.bin", "rb") as f:
+        assert f.read() == b"second"
 
 
 def test_a_data_file_linking_outside_the_root_is_refused(root, tmp_path):

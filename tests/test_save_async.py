@@ -175,6 +175,65 @@ def test_a_save_fsyncs_its_data_its_frame_table_and_its_manifest_only(tmp_path):
     assert not any("/ranks/" in n or n.startswith("latest") for n in names), names
 
 
+def test_a_small_one_file_save_is_written_by_its_save_thread_and_a_larger_one_by_the_io_threads(
+        tmp_path):
+    """A state that makes one small file: the save thread writes it itself (no hand-off to an
+    I/O thread and back, which costs more than the write on a busy host); several files still
+    go to the I/O threads, in parallel. Either way the data loads back bit-exact."""
+    from ckptd import config
+
+    writers: list[tuple[int, str]] = []
+
+    class Threads(LocalStorage):
+        def write_file(self, path, parts, gate=None):  # type: ignore[no-untyped-def]
+            if path.endswith(".bin"):
+                step = int(path.split("/")[0].removeprefix("step-"))
+                writers.append((step, threading.current_thread().name))
+            return super().write_file(path, parts, gate)
+
+    with ckptd.Checkpointer(str(tmp_path), storage=Threads(str(tmp_path)), agent=False) as c:
+        c.save(_state(1.0), step=1)
+        with config.override(min_file_bytes=8192, pipelined_staging=0):
+            c.save(_state(2.0), step=2)
+        assert torch.equal(_load(c, 1)["model"]["b"], torch.full((64, 64), 1.0))
+        assert torch.equal(_load(c, 2)["optim"]["m"], torch.full((4096,), -2.0))
+    one = [name for step, name in writers if step == 1]
+    several = [name for step, name in writers if step == 2]
+    assert len(one) == 1 and one[0].startswith("ckptd-save"), writers
+    assert len(several) > 1 and all(n.startswith("ckptd-io") for n in several), writers
+
+
+def test_a_state_saved_again_reuses_its_checked_boxes_and_each_change_is_saved(tmp_path):
+    """Describing a sharded state checks each leaf's box against its global shape; a state
+    saved every few steps is described again each time, and the same inputs give the same
+    (immutable) box, checked once. A change of shape, sharding or dtype is still seen: a box
+    outside its global shape is refused, and each saved step loads back as it was."""
+    from ckptd import sharding
+    from ckptd.errors import StateMismatch
+
+    def tree(t: torch.Tensor, gshape: tuple[int, ...], offsets: tuple[int, ...]) -> dict:
+        return {"w": ckptd.Shard(t, gshape, offsets)}
+
+    first = sharding.describe(tree(torch.ones(4, 2), (8, 2), (4, 0)), 0, 1).pieces[0].box
+    again = sharding.describe(tree(torch.zeros(4, 2), (8, 2), (4, 0)), 0, 1).pieces[0].box
+    assert again is first
+    moved = sharding.describe(tree(torch.zeros(4, 2), (8, 2), (0, 0)), 0, 1).pieces[0].box
+    assert (moved.offsets, moved.sizes) == ((0, 0), (4, 2))
+    with pytest.raises(StateMismatch, match=r"w: box at offsets \(6, 0\) of sizes \(4, 2\) "
+                                            r"exceeds global shape \(8, 2\)"):
+        sharding.describe(tree(torch.zeros(4, 2), (8, 2), (6, 0)), 0, 1)
+
+    saved = {1: torch.arange(8.0).reshape(4, 2), 2: torch.arange(12.0).reshape(6, 2),
+             3: torch.arange(12, dtype=torch.float64).reshape(6, 2)}
+    with ckptd.Checkpointer(str(tmp_path), keep_last=None, agent=False) as c:
+        for step, t in saved.items():
+            c.save(tree(t, tuple(t.shape), (0, 0)), step=step)
+        for step, t in saved.items():
+            got = torch.full_like(t, -1.0)
+            c.load(tree(got, tuple(t.shape), (0, 0)), step=step)
+            assert got.dtype == t.dtype and torch.equal(got, t), step
+
+
 def test_staging_buffers_are_reused_and_grow_only_when_the_state_grows(tmp_path):
     with ckptd.Checkpointer(str(tmp_path)) as c:
         c.save(_state(1.0), step=1)

@@ -25,6 +25,7 @@ log = logging.getLogger("ckptd")
 # directory, a few more), a catalog scan the step directories; more are closed oldest first
 READ_DIRS = 64
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 4 << 20  # smaller files are not worth bypassing the cache
@@ -141,8 +142,16 @@ class LocalStorage(Storage):
         return fd
 
     def _walk(self, parts: list[str], create: bool) -> int:
-        # every write walks: the common case (the root and the directories exist) costs one
-        # open per component and nothing else
+        # Every write walks. The common case (the root and the directories exist): the root,
+        # then the rest in one openat2 that follows no link and stays below the root. As safe
+        # as the walk below — each call resolves the whole path again, so a directory replaced
+        # by a link since the last call is refused — in three system calls instead of two per
+        # component. Anything else (a directory to make, a link, no openat2 here) takes the
+        # walk, which makes the directories and names the problem.
+        if parts:
+            fd = self._walk_beneath(parts)
+            if fd is not None:
+                return fd
         try:
             fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
         except FileNotFoundError:
@@ -176,6 +185,20 @@ class LocalStorage(Storage):
             os.close(fd)
             raise
         return fd
+
+    def _walk_beneath(self, parts: list[str]) -> int | None:
+        """``root/parts`` opened in one ``openat2`` below a fresh descriptor of the root; None
+        when it cannot (missing, a link, no ``openat2``): the caller walks."""
+        try:
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return open_beneath(root, "/".join(parts), _DIR_FLAGS, self.root)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(root)
 
     def _read_dir_fd(self, parts: list[str]) -> int:
         """A descriptor of the directory ``root/parts`` for a read (the caller closes it), from

@@ -69,6 +69,7 @@ _OPENAT2 = 437
 _RESOLVE = 0x02 | 0x04 | 0x08  # RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
 _openat2_ok = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 _syscall: Any = None
+_hows: dict[int, Any] = {}  # openat2's open_how by flags (read-only to the kernel: shared)
 
 
 def open_beneath(dir_fd: int, path: str, flags: int, where: str) -> int | None:
@@ -77,19 +78,23 @@ def open_beneath(dir_fd: int, path: str, flags: int, where: str) -> int | None:
     with ``RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH``): one open where a walk makes one per
     component. FileNotFoundError when a component is missing; None when it cannot say (no
     ``openat2`` here, or a link, a rename race, any other error: the caller walks, and its
-    walk names the problem). A regular file only, like ``open_at(..., check_regular=True)``."""
+    walk names the problem). A regular file only, like ``open_at(..., check_regular=True)``,
+    unless ``flags`` has ``O_DIRECTORY`` (then a directory only: the system checks)."""
     global _openat2_ok, _syscall
     if not _openat2_ok:
         return None
     if _syscall is None:
         _syscall = ctypes.CDLL(None, use_errno=True).syscall
         _syscall.restype = ctypes.c_long
-    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
+    how = _hows.get(flags)
+    if how is None:
+        how = _hows[flags] = ctypes.pointer(_OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE))
     fd = int(_syscall(ctypes.c_long(_OPENAT2), ctypes.c_int(dir_fd),
-                     ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
-                     ctypes.c_size_t(ctypes.sizeof(how))))
+                     ctypes.c_char_p(os.fsencode(path)), how,
+                     ctypes.c_size_t(ctypes.sizeof(_OpenHow))))
     if fd >= 0:
-        _check_regular(fd, where)
+        if not flags & os.O_DIRECTORY:
+            _check_regular(fd, where)
         return fd
     err = ctypes.get_errno()
     if err == errno.ENOENT:

@@ -14,10 +14,11 @@ executor ran the job.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor as Threads
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from ckptd.storage import Storage
 from ckptd.writer import retention
@@ -27,6 +28,15 @@ from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import SaveJob, run
 from ckptd.writer.pipeline import RankWriter, Round, Share, stored_bytes
 from ckptd.writer.staging import Arena, StagingPool
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# A job of one file of at most this many staged bytes has its file written by the save thread
+# (in ``finish``) instead of an I/O thread: for a small file the hand-off (a queue, a worker's
+# wake-up, a future the save thread waits on) costs more CPU than the overlap buys, on a host
+# whose ranks share few cores. Larger files, and any job with several, keep the I/O threads.
+INLINE_BYTES = 1 << 20
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Pending:
     only_commit: bool = False  # its files and partial are in place (a lost agent wrote them)
     t_write: float = 0.0  # when its first file was handed to an I/O thread
     t_files: float = 0.0  # when its last file was written (in this process)
+    inline: bool = False  # its one small file is written by ``finish`` (InProcess.start)
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,8 @@ class Executor(Protocol):
 
 
 class InProcess:
-    """This process's own I/O threads run the jobs (``io``, shared with loads)."""
+    """This process's own I/O threads run the jobs (``io``, shared with loads); a job of one
+    file of at most ``INLINE_BYTES`` is written by the save thread itself, in :meth:`finish`."""
 
     name = "process"
     spare_arenas = 0
@@ -128,6 +140,10 @@ class InProcess:
     def start(self, job: SaveJob, arena: Arena, pool: StagingPool, *,
               stage_first: bool) -> Pending:
         pending = Pending(job, arena, pool, t_write=time.perf_counter())
+        if (not stage_first and self.auto is None and len(job.round.plans) == 1
+                and job.round.nbytes <= INLINE_BYTES):
+            pending.inline = True  # finish() writes it (INLINE_BYTES)
+            return pending
         pending.futures = self.writer(job.codec, job.level).start_files(
             job.share, arena, job.round, 0, stage_first=stage_first, codec=job.codec,
             framing=job.framing)
@@ -149,6 +165,13 @@ class InProcess:
 
     def finish(self, pending: Pending) -> Outcome:
         job = pending.job
+        if pending.inline and pending.futures is None and pending.arena is not None:
+            # before run()'s wait for the retention owed, as an I/O thread would have
+            pending.t_write = time.perf_counter()
+            writer = RankWriter(self.storage, _Now(), self._pool, job.codec, job.level)
+            pending.futures = writer.start_files(job.share, pending.arena, job.round, 0,
+                                                 stage_first=False, codec=job.codec,
+                                                 framing=job.framing)
         try:
             out = run(job, self.storage, self.io,
                       pending.arena.tensor if pending.arena is not None else None,  # type: ignore[arg-type]
@@ -185,4 +208,17 @@ class InProcess:
         pass
 
 
-__all__ = ["Executor", "InProcess", "Outcome", "Pending"]
+class _Now(Threads):
+    """An executor that runs each call at once, in the caller's thread; its outcome (the
+    value or what it raised) goes into the returned Future, as a thread pool's would."""
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            future.set_exception(e)
+        return future
+
+
+__all__ = ["INLINE_BYTES", "Executor", "InProcess", "Outcome", "Pending"]

@@ -86,8 +86,8 @@ class _Segments:
 def copy_all(copies: list[Copy], threads: int | None = None) -> None:
     """``memmove`` every ``(dst, src, n)``; returns when all are done. Uses up to ``threads``
     threads, the caller's included (default ``config.stage_threads()``)."""
-    k = config.stage_threads() if threads is None else threads
     total = sum(n for _, _, n in copies)
+    k = threads if threads is not None else 1 if total <= SEGMENT else config.stage_threads()
     if k <= 1 or total <= SEGMENT:  # one segment's worth: no helper pays for its hand-off
         for dst, src, n in copies:
             ctypes.memmove(dst, src, n)

@@ -162,7 +162,7 @@ class Saver:
             locals=typed.snapshot(
                 {k: v for k, v in described.locals.items() if not isinstance(v, torch.Tensor)}
             ),
-            training=_json_copy(training or {}),
+            training=_json_copy(training) if training else {},
             tuples=described.tuples if opts.rank == 0 else frozenset(),
             replicas=_replicas(described),
         )
@@ -266,7 +266,8 @@ class Saver:
             if self.options.debug_overlap:
                 buffer, plans = arena.tensor, rounds[0].plans
                 save.handle._checks.append(lambda: check_unmodified(plans, buffer))
-            pipelined = (self.executor.pipelines
+            # one file: nothing to overlap its staging with
+            pipelined = (len(rounds[0].plans) > 1 and self.executor.pipelines
                          and config.pipelined_staging(self.options.threads))
             if not pipelined:  # every core copies first; then the files start
                 stage(arena.buffer, rounds[0].plans)
