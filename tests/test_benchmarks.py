@@ -24,6 +24,7 @@ RUNS = {
     "checksum": ["--size", "16MiB", "--runs", "1"],
     "planes": ["--mib", "8", "--runs", "1"],
     "commit": ["--world", "2", "--saves", "2", "--runs", "1", "--wait-s", "0.2", "--lag", "2"],
+    "tiny_threads": ["--world", "2", "--saves", "2", "--runs", "1"],
     "module_passes": [],
     "frames": ["--size", "32MiB", "--ranks", "2"],
     "save_phases": ["--size-mib", "32", "--saves", "1"],
