@@ -29,7 +29,8 @@ small tensors a rank (2,000), on W gloo ranks; then, in this process, the thread
 decoding rank 1's partial as the coordinator does (``decode(raw, path, eager=True)``) and of
 encoding it again (``Manifest.encode``), and of the tiny save's manifest, each next to its
 floor: ``json.loads`` of the same bytes and ``json.dumps`` of what it gives (compact), with no
-checks and no records. Medians of ``--runs`` runs, each the median of 7 rounds.
+checks and no records. Medians of ``--runs`` runs, each the least of 7 rounds; the ratio to
+the floor is the figure that other work on the machine moves least.
 
 Where a tiny save's time goes (``--timeline``, instead of the rest): the same saves, each
 rank stamping (``time.time()``, one clock for all) when its staging, its partial and, on rank 0,
@@ -280,14 +281,16 @@ def _codec_rank(rank: int, world: int, root: str, tensors: int) -> int:
 
 
 def _cpu_us(fn: object, reps: int) -> float:
-    """Thread CPU time of one call of ``fn``, in µs: the median of 7 rounds of ``reps``."""
+    """Thread CPU time of one call of ``fn``, in µs: the least of 7 rounds of ``reps`` (the
+    round least slowed by other work on the machine; its cache and memory bandwidth are
+    shared even when the core is not)."""
     rounds = []
     for _ in range(7):
         c0 = time.thread_time()
         for _ in range(reps):
             fn()  # type: ignore[operator]
         rounds.append((time.thread_time() - c0) / reps * 1e6)
-    return statistics.median(rounds)
+    return min(rounds)
 
 
 def _codec(world: int, tensors: int, runs: int, where: str | None) -> None:
@@ -298,8 +301,8 @@ def _codec(world: int, tensors: int, runs: int, where: str | None) -> None:
 
     print(f"a partial's and a manifest's decode and encode (thread CPU, µs per call, median of "
           f"{runs} runs): the partials of one save on W = {world} gloo ranks\n")
-    print("| file | bytes | decode (eager) | floor: json.loads | encode | floor: json.dumps "
-          "|\n|---|---:|---:|---:|---:|---:|")
+    print("| file | bytes | decode (eager) | floor: json.loads | × floor | encode | "
+          "floor: json.dumps | × floor |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for n, label in ((0, "tiny save (4 tensors of 16 KiB a rank)"),
                      (tensors, f"{tensors} tensors of 128 B a rank")):
         with tempfile.TemporaryDirectory(prefix="ckptd-codec-", dir=where) as root:
@@ -322,8 +325,8 @@ def _codec(world: int, tensors: int, runs: int, where: str | None) -> None:
                 figures = [[_cpu_us(fn, reps) for fn in fns] for _ in range(runs)]
                 dec, loads, enc, dumps = (statistics.median(f[i] for f in figures)
                                           for i in range(4))
-                print(f"| {name} | {len(raw):,} | {dec:,.1f} | {loads:,.1f} | {enc:,.1f} | "
-                      f"{dumps:,.1f} |")
+                print(f"| {name} | {len(raw):,} | {dec:,.1f} | {loads:,.1f} | {dec / loads:.1f} | "
+                      f"{enc:,.1f} | {dumps:,.1f} | {enc / dumps:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
