@@ -172,6 +172,12 @@ def _entry_mutations(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]
             out = copy.deepcopy(doc)
             out["tensors"][name]["shape"] = value
             yield f"{name}.shape={value!r}", out
+    for huge in (MAX_INT + 1, 1 << 64):  # no elements, so no bytes: the dimension still counts
+        out = copy.deepcopy(doc)
+        out["tensors"]["v"]["shape"] = [0, huge]
+        out["tensors"]["v"]["chunks"] = [[[0, 0], [0, 32], *r[2:]] for r in
+                                         out["tensors"]["v"]["chunks"][:1]]
+        yield f"v.shape=[0, {huge}]", out
     out = copy.deepcopy(doc)  # two tensors whose shapes differ in type only
     out["tensors"]["v"]["shape"] = [True, 32]
     out["tensors"]["v"]["chunks"] = [[[0, 0], [1, 32], *r[2:]] for r in

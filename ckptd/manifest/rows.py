@@ -115,7 +115,8 @@ def quick_tensors(body: dict[str, Any], lists: Lists) -> dict[str, TensorEntry] 
         if known is None:
             itemsize = dtypes.ITEMSIZE.get(dtype, 0)
             if not (itemsize and min(shape, default=0) >= 0
-                    and math.prod(shape) * itemsize <= MAX_INT):  # so each is <= MAX_INT
+                    and max(shape, default=0) <= MAX_INT  # (a dimension of 0 hides the rest)
+                    and math.prod(shape) * itemsize <= MAX_INT):
                 return None
             whole = Box.whole(tuple(shape))
             known = declared[key] = whole.sizes, itemsize, whole
