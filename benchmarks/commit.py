@@ -24,6 +24,14 @@ thread sleeping meanwhile); the process's CPU time (``time.process_time``) over 
 per second of waiting, is what a rank's wait costs (no c10d store: storage only), against a
 floor of 0. Median of ``--runs``.
 
+The codec (``--codec [T]``, instead of the rest): one save of the tiny state, and one of T
+small tensors a rank (2,000), on W gloo ranks; then, in this process, the thread CPU time of
+decoding rank 1's partial as the coordinator does (``decode(raw, path, eager=True)``) and of
+encoding it again (``Manifest.encode``), and of the tiny save's manifest, each next to its
+floor: ``json.loads`` of the same bytes and ``json.dumps`` of what it gives (compact), with no
+checks and no records. Medians of ``--runs`` runs, each the least of 7 rounds; the ratio to
+the floor is the figure that other work on the machine moves least.
+
 Where a tiny save's time goes (``--timeline``, instead of the rest): the same saves, each
 rank stamping (``time.time()``, one clock for all) when its staging, its partial and, on rank 0,
 the merge and the commit start or end — wrappers around those functions, nothing else changed —
@@ -283,6 +291,67 @@ def _timeline(world: int, saves: int, where: str | None) -> None:
         print(f"| {label} | {statistics.median(per_save) * 1e3:.2f} |")
 
 
+def _codec_rank(rank: int, world: int, root: str, tensors: int) -> int:
+    """One save of the tiny state (``tensors`` = 0) or of ``tensors`` small tensors a rank."""
+    import ckptd
+
+    state = _tiny_state(rank, world) if tensors == 0 else {
+        f"layers.{i}.w": ckptd.Shard(torch.full((4, 8), float(rank)), (4 * world, 8),
+                                     (4 * rank, 0)) for i in range(tensors)}
+    with ckptd.Checkpointer(root, keep_last=0, agent=False) as ckpt:
+        ckpt.save_async(state, step=1).result()
+    return 0
+
+
+def _cpu_us(fn: object, reps: int) -> float:
+    """Thread CPU time of one call of ``fn``, in µs: the least of 7 rounds of ``reps`` (the
+    round least slowed by other work on the machine; its cache and memory bandwidth are
+    shared even when the core is not)."""
+    rounds = []
+    for _ in range(7):
+        c0 = time.thread_time()
+        for _ in range(reps):
+            fn()  # type: ignore[operator]
+        rounds.append((time.thread_time() - c0) / reps * 1e6)
+    return min(rounds)
+
+
+def _codec(world: int, tensors: int, runs: int, where: str | None) -> None:
+    import glob
+    import json
+
+    from ckptd.manifest.parse import decode
+
+    print(f"a partial's and a manifest's decode and encode (thread CPU, µs per call, median of "
+          f"{runs} runs): the partials of one save on W = {world} gloo ranks\n")
+    print("| file | bytes | decode (eager) | floor: json.loads | × floor | encode | "
+          "floor: json.dumps | × floor |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n, label in ((0, "tiny save (4 tensors of 16 KiB a rank)"),
+                     (tensors, f"{tensors} tensors of 128 B a rank")):
+        with tempfile.TemporaryDirectory(prefix="ckptd-codec-", dir=where) as root:
+            multirank.run(_codec_rank, world, root, n, timeout=600)
+            [manifest] = glob.glob(f"{root}/step-*/manifest.json")
+            partials = sorted(glob.glob(f"{root}/step-*/ranks/*/*.json"))
+            files = [(f"{label}: partial of rank 1", partials[1])]
+            if n == 0:
+                files.append((f"{label}: manifest", manifest))
+            for name, path in files:
+                with open(path, "rb") as f:
+                    raw = f.read()
+                m = decode(raw, path, eager=True)
+                assert m.encode() == raw
+                doc = json.loads(raw)
+                reps = max(1, 200_000 // len(raw))
+                fns = (lambda raw=raw, path=path: decode(raw, path, eager=True),
+                       lambda raw=raw: json.loads(raw), m.encode,
+                       lambda doc=doc: json.dumps(doc, separators=(",", ":")))
+                figures = [[_cpu_us(fn, reps) for fn in fns] for _ in range(runs)]
+                dec, loads, enc, dumps = (statistics.median(f[i] for f in figures)
+                                          for i in range(4))
+                print(f"| {name} | {len(raw):,} | {dec:,.1f} | {loads:,.1f} | {dec / loads:.1f} | "
+                      f"{enc:,.1f} | {dumps:,.1f} | {enc / dumps:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=8)
@@ -295,7 +364,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="the saves through the node agent (the default path on Linux)")
     ap.add_argument("--timeline", action="store_true",
                     help="only where a tiny save's time goes, event by event")
+    ap.add_argument("--codec", type=int, nargs="?", const=2000, default=None, metavar="T",
+                    help="only the decode and encode of partials: the tiny save's and one of "
+                         "T small tensors a rank (2000)")
     args = ap.parse_args(argv)
+    if args.codec is not None:
+        _codec(args.world, args.codec, args.runs, args.dir)
+        return
     if args.timeline:
         _timeline(args.world, args.saves, args.dir)
         return

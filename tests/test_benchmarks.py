@@ -93,3 +93,22 @@ def test_the_tiny_save_through_the_node_agent_runs_and_stops_its_agent(tmp_path,
     assert "| in the agent |" in out.stdout, out.stdout
     assert "stopped" in out.stdout, out.stdout
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_codec_benchmark_prints_each_file_next_to_its_floor(tmp_path, agents):
+    """``commit.py --codec``: a row for the tiny save's partial and manifest and for the large
+    partial, each with its decode, encode and their floors."""
+    env = {**os.environ, "CKPTD_BENCH_DIR": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    env.pop("CKPTD_AGENT")
+    out = subprocess.run([sys.executable, "commit.py", "--codec", "20", "--world", "2",
+                          "--runs", "1", "--dir", str(tmp_path)], cwd=BENCH, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines()
+            if line.startswith("| ") and "bytes" not in line]
+    assert [r[0].strip().rsplit(": ", 1)[1] for r in rows] == [
+        "partial of rank 1", "manifest", "partial of rank 1"], out.stdout
+    assert "20 tensors" in rows[2][0]
+    assert all(float(x.replace(",", "")) > 0 for r in rows for x in r[1:]), out.stdout
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())

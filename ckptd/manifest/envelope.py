@@ -103,11 +103,19 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# what ``json.loads(raw, object_pairs_hook=_unique_keys)`` builds on every call, made once (a
+# coordinator parses W partials a save, most of them a few hundred bytes)
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
 def parse_json(raw: bytes, where: str) -> Any:
     """JSON from storage: duplicate keys, nesting too deep, integers too long for Python and
     invalid UTF-8 are each a :class:`CorruptCheckpoint` naming ``where``."""
+    # json.loads of bytes, with the decoder made once (and UTF-8 known without asking
+    # detect_encoding where the bytes start with '{"', as every manifest does)
+    encoding = "utf-8" if raw.startswith(b'{"') else json.detect_encoding(raw)
     try:
-        return json.loads(raw, object_pairs_hook=_unique_keys)
+        return _DECODER.decode(raw.decode(encoding, "surrogatepass"))
     except RecursionError:
         raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:

@@ -47,7 +47,7 @@ def safe_relpath(path: Any, where: str, tensor: str) -> str:
     """Data paths are relative and stay inside the checkpoint directory."""
     if not isinstance(path, str) or not path:
         raise CorruptCheckpoint(f"{where}: {tensor}: chunk file {path!r} is not a path")
-    if not _inside(path):
+    if not inside(path):
         raise CorruptCheckpoint(
             f"{where}: {tensor}: chunk file {path!r} escapes the checkpoint directory"
         )
@@ -55,8 +55,9 @@ def safe_relpath(path: Any, where: str, tensor: str) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _inside(path: str) -> bool:
-    """A manifest names the same few files (and frame tables) for thousands of tensors."""
+def inside(path: str) -> bool:
+    """Whether a data path stays inside the step (:func:`safe_relpath`'s test; cached: a
+    manifest names the same few files and frame tables for thousands of tensors)."""
     norm = posixpath.normpath(path)
     return not (
         path.startswith("/")

@@ -130,6 +130,15 @@ class FrameRef:
     count: int
     digest: str  # xxh3 of the slice's bytes, 16 hex digits
 
+    @staticmethod
+    def _of(table: str, first: int, count: int, digest: str) -> FrameRef:
+        """``FrameRef(table, first, count, digest)`` without the frozen dataclass's setattr per
+        field (one for every chunk a coordinator reads)."""
+        ref = object.__new__(FrameRef)
+        object.__setattr__(ref, "__dict__", {"table": table, "first": first, "count": count,
+                                             "digest": digest})
+        return ref
+
     @property
     def byte_range(self) -> tuple[int, int]:
         return HEADER + self.first * ENTRY, self.count * ENTRY

@@ -18,12 +18,10 @@ that reads the file's byte ranges: its entries are then read, and checked, as th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,15 +73,22 @@ def whole_doc(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-@contextlib.contextmanager
-def _fields(where: str) -> Iterator[None]:
-    """A field of the wrong type or out of range: a CorruptCheckpoint naming ``where``."""
-    try:
-        yield
-    except CorruptCheckpoint:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise CorruptCheckpoint(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
+class _Fields:
+    """A field of the wrong type or out of range: a CorruptCheckpoint naming ``where``. (A
+    class: a generator's context manager costs a coordinator ~1 us a partial.)"""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None,
+                 tb: object) -> None:
+        if isinstance(e, (KeyError, TypeError, ValueError, AttributeError, OverflowError)
+                      ) and not isinstance(e, CorruptCheckpoint):
+            raise CorruptCheckpoint(
+                f"{self.where}: malformed manifest ({type(e).__name__}: {e})") from e
 
 
 def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
@@ -97,7 +102,7 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
     its head digest is checked, and ``read`` fetches the entries the reader uses, each checked
     against its digest (:meth:`Manifest.prefetch`)."""
     doc, tail = _open(raw, where, read)
-    with _fields(where):
+    with _Fields(where):
         decoded: set[str] = set()
         if tail is None:
             tensors = {name: _tensor(name, t, where)
@@ -109,10 +114,7 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             if eager:
                 assert isinstance(tail, WholeTail)
                 tensors = _parsed(raw, tail.at, tensors, _refs(doc, where), where)
-        values, tuples, locals_ = typed.decode(
-            dict(doc.get("values", {})),
-            {str(k): dict(v) for k, v in doc.get("locals", {}).items()},
-            typed.checked_types(doc.get("types", {}), where), LOCAL_PREFIX, where)
+        values, tuples, locals_ = _values(doc, where)
         return Manifest(
             step=_int(doc["step"]),
             attempt=_name(doc["attempt"]),
@@ -132,6 +134,16 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
             entries=tail if isinstance(tail, RangedTail) else None,
             tuples=tuples,
         )
+
+
+def _values(doc: dict[str, Any], where: str,
+            ) -> tuple[dict[str, Any], frozenset[str], dict[str, dict[str, Any]]]:
+    """The values, the paths of tuples, and each rank's locals (:func:`typed.decode`)."""
+    values, locals_, types = doc.get("values", {}), doc.get("locals", {}), doc.get("types", {})
+    if values == {} and locals_ == {} and types == {}:  # a partial of a state of tensors
+        return {}, frozenset(), {}
+    return typed.decode(dict(values), {str(k): dict(v) for k, v in locals_.items()},
+                        typed.checked_types(types, where), LOCAL_PREFIX, where)
 
 
 def _open(raw: bytes, where: str, read: RangeRead | None) -> tuple[dict[str, Any], Tail | None]:
@@ -172,7 +184,7 @@ def head(raw: bytes, where: str) -> Head:
     checks them (format 3: from the head's index and ``nbytes``; formats 1 and 2, which have
     no index, from each tensor's entry, adding up its chunks' lengths)."""
     doc, tail_at = split_doc(raw, where)
-    with _fields(where):
+    with _Fields(where):
         if tail_at is None:
             entries = _object(doc["tensors"], "tensors")
             tensors = {n: _declared(n, t["dtype"], t["shape"], where)[:2]
@@ -307,9 +319,13 @@ def _whole_partial(raw: bytes, tail_at: int, doc: dict[str, Any], where: str,
     """A partial of version 3: every tensor ``[dtype, shape, rows]`` in the tail, parsed at
     once."""
     refs = _refs(doc, where)
+    assert isinstance(refs, rows.Lists)  # a partial of version 3 is in a manifest of version 5
     body = parse_json(raw[tail_at:-1], where)
     if not isinstance(body, dict):
         raise CorruptCheckpoint(f"{where}: 'tensors' is not an object")
+    quick = rows.quick_tensors(body, refs)
+    if quick is not None:
+        return quick
     out = {}
     for name, entry in body.items():
         if not (type(entry) is list and len(entry) == 3):
@@ -317,8 +333,8 @@ def _whole_partial(raw: bytes, tail_at: int, doc: dict[str, Any], where: str,
             raise CorruptCheckpoint(f"{where}: {name}: a tensor is [dtype, shape, chunks], got "
                                     f"{shown}")
         dtype, shape, itemsize = _declared(name, entry[0], entry[1], where)
-        out[name] = TensorEntry(dtype, shape, _chunks(name, entry[2], Box.whole(shape),
-                                                      itemsize, where, refs))
+        out[name] = TensorEntry(dtype, shape, rows.decode(name, entry[2], Box.whole(shape),
+                                                          itemsize, where, refs))
     return out
 
 

@@ -15,15 +15,18 @@ here.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
-from ckptd.manifest.fields import integer, integers, safe_relpath
+from ckptd.manifest.envelope import MAX_INT
+from ckptd.manifest.fields import inside, integer, integers, safe_relpath
 from ckptd.manifest.frames import FrameRef
-from ckptd.manifest.schema import Chunk
+from ckptd.manifest.schema import Chunk, TensorEntry
 from ckptd.regions import Box
 
 # the fields of a row, in order (tests and tools edit rows by these names)
@@ -31,16 +34,26 @@ FIELDS = ("offsets", "sizes", "file", "offset", "codec", "frame_bytes", "table",
           "digest")
 AT = {f: i for i, f in enumerate(FIELDS)}
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX16S = re.compile(r"(?:[0-9a-f]{16})*")  # the digests of a tensor's rows, joined
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Lists:
-    """The head's lists that rows index. ``files`` are checked for their form here and each
-    path when a tensor's rows use it (so that a bad one is reported with the tensor)."""
+    """The head's lists that rows index, and what decoding the rows has found so far. ``files``
+    are checked for their form here and each path when a tensor's rows use it (so that a bad
+    one is reported with the tensor)."""
 
     files: list[tuple[str, int]]
     codecs: list[str]
     tables: list[str]
+    # for :func:`_quick`: whether each codec is known; the files whose paths were found to stay
+    # inside the step so far (checked when a row first uses them)
+    known: list[bool] = field(compare=False)
+    inside: set[int] = field(default_factory=set, compare=False)
+    # the boxes made so far, by the tensor's shape and then the row's offsets and sizes (the
+    # chunks of a rank's tensors of one shape have the same few boxes)
+    boxes: dict[tuple[int, ...], dict[tuple[int, ...], Box]] = field(default_factory=dict,
+                                                                     compare=False)
 
 
 def lists(doc: dict[str, Any], tables: list[str]) -> Lists:
@@ -55,7 +68,7 @@ def lists(doc: dict[str, Any], tables: list[str]) -> Lists:
         integer(f[1])
     if not (isinstance(names, list) and all(type(n) is str for n in names)):
         raise ValueError(f"'codecs' is not a list of names: {names!r}")
-    return Lists([(p, r) for p, r in files], names, tables)
+    return Lists([(p, r) for p, r in files], names, tables, [n in codecs.CODECS for n in names])
 
 
 def decode(name: str, items: Any, whole: Box, itemsize: int, where: str, lists: Lists,
@@ -64,6 +77,10 @@ def decode(name: str, items: Any, whole: Box, itemsize: int, where: str, lists: 
     naming ``where`` and ``name`` at the first field that is wrong."""
     if not isinstance(items, list):
         raise CorruptCheckpoint(f"{where}: {name}: no list of chunks")
+    digests: list[str] = []
+    quick = _quick(items, whole, itemsize, lists, digests)
+    if quick is not None and _HEX16S.fullmatch("".join(digests)):
+        return quick
     out = []
     for i, r in enumerate(items):
         try:
@@ -73,6 +90,94 @@ def decode(name: str, items: Any, whole: Box, itemsize: int, where: str, lists: 
                 f"{where}: {name}: malformed chunk {i} ({type(e).__name__}: {e})") from e
     for file in {c.file for c in out}:  # the rows of a tensor name few files
         safe_relpath(file, where, name)
+    return tuple(out)
+
+
+def quick_tensors(body: dict[str, Any], lists: Lists) -> dict[str, TensorEntry] | None:
+    """The tensors of a partial's tail (``name: [dtype, shape, rows]``, a partial of version 3)
+    when every one passes every check that ``ckptd.manifest.parse`` makes of it, in few Python
+    operations a tensor; None at the first thing that is off (the reader's own checks then
+    say what)."""
+    out = {}
+    declared: dict[tuple[Any, ...], tuple[tuple[int, ...], int, Box]] = {}
+    digests: list[str] = []
+    for name, entry in body.items():
+        if not (type(entry) is list and len(entry) == 3 and name and "\0" not in name):
+            return None
+        dtype, shape, items = entry
+        if not (type(dtype) is str and type(shape) is list and type(items) is list):
+            return None
+        for x in shape:  # True == 1 and 1.0 == 1 as keys: the types first
+            if type(x) is not int:
+                return None
+        key = (dtype, *shape)
+        known = declared.get(key)
+        if known is None:
+            itemsize = dtypes.ITEMSIZE.get(dtype, 0)
+            if not (itemsize and min(shape, default=0) >= 0
+                    and max(shape, default=0) <= MAX_INT  # (a dimension of 0 hides the rest)
+                    and math.prod(shape) * itemsize <= MAX_INT):
+                return None
+            whole = Box.whole(tuple(shape))
+            known = declared[key] = whole.sizes, itemsize, whole
+        chunks = _quick(items, known[2], known[1], lists, digests)
+        if chunks is None:
+            return None
+        out[name] = TensorEntry(dtype, known[0], chunks)
+    if not _HEX16S.fullmatch("".join(digests)):
+        return None
+    return out
+
+
+def _quick(items: list[Any], whole: Box, itemsize: int, lists: Lists, digests: list[str],
+           ) -> tuple[Chunk, ...] | None:
+    """What :func:`_row` makes of each row, and :func:`decode` checks of their files, for rows
+    that pass every check — in few Python operations a row (a coordinator decodes every row of
+    every partial each save) — or None at the first thing that is off: :func:`_row` then says
+    what. The rows' digests are added to ``digests``, for the caller to check (with
+    :data:`_HEX16S`: one match for many)."""
+    files, names, tables, known, inside_ = (lists.files, lists.codecs, lists.tables,
+                                            lists.known, lists.inside)
+    shape = whole.sizes
+    ndim = len(shape)
+    boxes = lists.boxes.get(shape)
+    if boxes is None:
+        boxes = lists.boxes[shape] = {}
+    out = []
+    for r in items:
+        if type(r) is not list or len(r) != 9:
+            return None
+        offs, sizes, file, offset, codec_i, frame_bytes, table, first, digest = r
+        if not (type(offs) is list and type(sizes) is list and len(offs) == ndim == len(sizes)
+                and type(file) is int and 0 <= file < len(files)
+                and type(offset) is int and 0 <= offset <= MAX_INT
+                and type(codec_i) is int and 0 <= codec_i < len(names) and known[codec_i]
+                and type(frame_bytes) is int and 0 < frame_bytes <= MAX_INT
+                and not frame_bytes % itemsize
+                and type(table) is int and 0 <= table < len(tables)
+                and type(first) is int and 0 <= first <= MAX_INT
+                and type(digest) is str and len(digest) == 16):
+            return None
+        key = (*offs, *sizes)
+        for x in key:  # True == 1 and 1.0 == 1 as keys: the types first
+            if type(x) is not int:
+                return None
+        box = boxes.get(key)
+        if box is None:
+            ends = tuple(map(int.__add__, offs, sizes))
+            if min(key, default=0) < 0 or not all(map(int.__le__, ends, shape)):
+                return None  # (inside the shape, each is <= MAX_INT)
+            box = boxes[key] = Box._of(tuple(offs), tuple(sizes), ends)
+        path, rank = files[file]
+        if file not in inside_:
+            if not (path and inside(path)):
+                return None
+            inside_.add(file)
+        digests.append(digest)
+        length = box.numel * itemsize
+        out.append(Chunk._of(box, path, offset, length, names[codec_i], frame_bytes, rank,
+                             FrameRef._of(tables[table], first, -(-length // frame_bytes),
+                                          digest)))
     return tuple(out)
 
 

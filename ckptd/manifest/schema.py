@@ -94,6 +94,18 @@ class Chunk:
     rank: int
     ref: FrameRef | None = field(default=None, compare=False)
 
+    @staticmethod
+    def _of(box: Box, file: str, offset: int, length: int, codec: str, frame_bytes: int,
+            rank: int, ref: FrameRef) -> Chunk:
+        """``Chunk(box, file, offset, length, codec, frame_bytes, None, rank, ref)`` from
+        checked fields, without the frozen dataclass's setattr per field (a coordinator makes
+        one for every chunk of every partial, each save)."""
+        chunk = object.__new__(Chunk)
+        object.__setattr__(chunk, "__dict__", {
+            "box": box, "file": file, "offset": offset, "length": length, "codec": codec,
+            "frame_bytes": frame_bytes, "frames": None, "rank": rank, "ref": ref})
+        return chunk
+
     @property
     def n_frames(self) -> int:
         return -(-self.length // self.frame_bytes)
@@ -341,6 +353,32 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
                           for n, t in doc["tensors"].items()))
 
 
+def _entries(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> tuple[list[bytes], int]:
+    """Each tensor's ``"name":{"chunks":[...]}`` and the length of the tensors object before
+    its closing brace; ``head`` gets their index (where each entry is, and in a committed
+    manifest of format 5 its digest, so that a load reads and checks only the entries it
+    needs: ckptd.manifest.entries) and ``nbytes``."""
+    committed = "head_digest" in head
+    texts: list[bytes] = []
+    index: dict[str, list[Any]] = {}
+    nbytes = 0
+    pos = 1  # inside the tensors object, after its "{"
+    for name, dtype, shape, chunks in tensors:
+        key = _COMPACT.encode(name).encode() + b":"
+        body = _COMPACT.encode({"chunks": chunks}).encode()
+        if texts:
+            pos += 1  # the comma before it
+        index[name] = [dtype, shape, pos + len(key), len(body)]
+        if committed:
+            index[name].append(xxhash.xxh3_64_hexdigest(body))
+        texts.append(key + body)
+        pos += len(key) + len(body)
+        nbytes += sum(_raw_bytes(dtype, c) for c in chunks)
+    head["nbytes"] = nbytes
+    head["index"] = index
+    return texts, pos
+
+
 # A committed manifest's first keys, in this order, then their seal: its *lead*, which a reader
 # of the first bytes alone trusts (ckptd.manifest.parse.lead; docs/format.md)
 LEAD_KEYS = ("format", "version", "checksum", "step", "attempt", "generation")
@@ -371,39 +409,28 @@ def _raw_bytes(dtype: str, chunk: Any) -> int:
         return 0
 
 
+# json.dumps(..., separators=(",", ":")) without making an encoder for each call (a partial's
+# encode called it once a tensor)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
     head = _lead_first(head)
-    whole = "rank" in head and head.get("partial", 1) >= 3  # no index: parsed whole
-    # a committed manifest seals its head and each entry on their own (format 5), so a load
-    # reads and checks only the parts it needs (ckptd.manifest.entries)
-    committed = "head_digest" in head
-    texts: list[bytes] = []
-    index: dict[str, list[Any]] = {}
-    nbytes = 0
-    pos = 1  # inside the tensors object, after its "{"
-    for name, dtype, shape, chunks in tensors:
-        key = json.dumps(name).encode() + b":"
-        entry = [dtype, shape, chunks] if whole else {"chunks": chunks}
-        body = json.dumps(entry, separators=(",", ":")).encode()
-        if texts:
-            pos += 1  # the comma before it
-        index[name] = [dtype, shape, pos + len(key), len(body)]
-        if committed:
-            index[name].append(xxhash.xxh3_64_hexdigest(body))
-        texts.append(key + body)
-        pos += len(key) + len(body)
-        nbytes += sum(_raw_bytes(dtype, c) for c in chunks)
-    if not whole:
-        head["nbytes"] = nbytes
-        head["index"] = index
-    head_json = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
+    if "rank" in head and head.get("partial", 1) >= 3:  # no index: parsed whole
+        body = _COMPACT.encode({name: [dtype, shape, chunks]
+                                for name, dtype, shape, chunks in tensors}).encode()
+        texts = [body[1:-1]] if len(body) > 2 else []
+        pos = len(body) - 1
+    else:
+        texts, pos = _entries(head, tensors)
+    head_json = _COMPACT.encode(head).encode()
     # seal(tail_field + head + tail) built in one buffer: each tensor's text is freed as it is
     # appended (the manifest of a 1024-rank reshard is ~10 MB; the texts, the joined tail, the
     # body, the unsealed and the sealed document were five copies of it)
     out = unsealed_start()
     tail = len(TENSORS_KEY) + pos + 2  # TENSORS_KEY{<texts>}}
     head_end = None
-    if committed:  # fixed-width fields: the head's length is known before it is written
+    if "head_digest" in head:  # fixed-width fields: the head's length is known before it is written
         head_end = len(out) + len(tail_field(tail, 0)) - 1 + len(head_json) - 2
     out += tail_field(tail, head_end)[1:]
     out += head_json[1:-1]
