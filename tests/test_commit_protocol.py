@@ -457,3 +457,26 @@ def test_a_rank_saving_in_process_keeps_no_partial_but_rank_0_s(tmp_path, monkey
     assert chunks and all(c.frames is None and c.ref is not None for c in chunks)
     for c in cs:
         c.close()
+
+
+def test_the_coordinator_decodes_each_partial_with_the_collector_paused(tmp_path, monkeypatch):
+    """A thousand ranks' partials are hundreds of thousands of small objects without cycles:
+    decoding them as they arrive runs with the cyclic collector paused, as the merge does."""
+    import gc
+
+    from ckptd.writer import commit
+
+    enabled: list[bool] = []
+    real = commit._read_partial
+    monkeypatch.setattr(commit, "_read_partial",
+                        lambda st, path: enabled.append(gc.isenabled()) or real(st, path))
+    assert gc.isenabled()
+    cs = _sim(str(tmp_path), 2, agent=False)
+    hs = [c.save_async({"w": ckptd.Shard(torch.full((2,), float(r)), (4,), (2 * r,))}, step=1)
+          for r, c in enumerate(cs)]
+    for h in hs:
+        h.result()
+    assert enabled == [False]  # rank 1's partial, read back (rank 0's is taken from memory)
+    assert gc.isenabled()
+    for c in cs:
+        c.close()

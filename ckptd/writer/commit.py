@@ -360,7 +360,9 @@ def _wait_partials(storage: Storage, step: int, attempt: str, world_size: int,
         for name in present:
             if name not in decoded:
                 path = f"{d}/{name}"
-                decoded[name] = own_partials.take(storage, path) or _read_partial(storage, path)
+                with gcpause.paused():  # its objects hold no cycles (see ckptd/gcpause.py)
+                    decoded[name] = (own_partials.take(storage, path)
+                                     or _read_partial(storage, path))
         if len(present) >= world_size:
             return [decoded[n] for n in present]
         missing = sorted(set(range(world_size)) - {int(n[:-5]) for n in present})
