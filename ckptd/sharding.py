@@ -418,9 +418,11 @@ def _tuple(name: str, what: str, seq: Sequence[int]) -> Shape:
 
 
 # The boxes _checked_box validated, by its exact inputs (a Box is immutable): a state saved every
-# few steps describes the same boxes each time. Bounded: emptied when full.
+# few steps describes the same boxes each time. Bounded, emptied when full, at ~2 MB: a small
+# state's are the ones worth keeping (its describe is the save's fixed cost); a large state's
+# would hold tens of MB in every process for microseconds a leaf.
 _BOXES: dict[tuple[Shape, Shape, Shape], Box] = {}
-_BOXES_MAX = 1 << 16
+_BOXES_MAX = 1 << 12
 
 
 def _checked_box(name: str, global_shape: Shape, offsets: Shape, sizes: Shape) -> Box:

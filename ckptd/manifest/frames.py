@@ -132,12 +132,9 @@ class FrameRef:
 
     @staticmethod
     def _of(table: str, first: int, count: int, digest: str) -> FrameRef:
-        """``FrameRef(table, first, count, digest)`` without the frozen dataclass's setattr per
-        field (one for every chunk a coordinator reads)."""
-        ref = object.__new__(FrameRef)
-        object.__setattr__(ref, "__dict__", {"table": table, "first": first, "count": count,
-                                             "digest": digest})
-        return ref
+        """``FrameRef(table, first, count, digest)`` from checked fields, through the
+        constructor (see :meth:`ckptd.manifest.schema.Chunk._of`: memory)."""
+        return FrameRef(table, first, count, digest)
 
     @property
     def byte_range(self) -> tuple[int, int]:

@@ -98,13 +98,10 @@ class Chunk:
     def _of(box: Box, file: str, offset: int, length: int, codec: str, frame_bytes: int,
             rank: int, ref: FrameRef) -> Chunk:
         """``Chunk(box, file, offset, length, codec, frame_bytes, None, rank, ref)`` from
-        checked fields, without the frozen dataclass's setattr per field (a coordinator makes
-        one for every chunk of every partial, each save)."""
-        chunk = object.__new__(Chunk)
-        object.__setattr__(chunk, "__dict__", {
-            "box": box, "file": file, "offset": offset, "length": length, "codec": codec,
-            "frame_bytes": frame_bytes, "frames": None, "rank": rank, "ref": ref})
-        return chunk
+        checked fields. Through the constructor: a ``__dict__`` assigned whole is ~2x the
+        memory of the key-sharing one the constructor's setattr per field makes (28,500
+        chunks of a 1024-rank coordinator: +9 MiB of RSS), for ~1 us a chunk."""
+        return Chunk(box, file, offset, length, codec, frame_bytes, None, rank, ref)
 
     @property
     def n_frames(self) -> int:
