@@ -243,12 +243,10 @@ def test_only_a_rename_reaches_the_reader_thread(tmp_path):
         assert n.events - before == 1  # events come in order: the created ones came first
 
 
-def test_a_waiting_rank_is_not_woken_by_the_other_ranks_partials(tmp_path):
-    """wait_committed watches the step's directory for the manifest; the partials' directory
-    (where the coordinator's FAILED marker would be) takes every rank's partial, and each woke
-    every waiting process."""
+def _uncommitted(tmp_path) -> tuple[LocalStorage, str, bytes, str]:  # type: ignore[no-untyped-def]
+    """Step 1 saved, then its manifest removed (not committed yet, as far as a waiter can
+    tell): the storage, the manifest's path and bytes, the attempt."""
     from ckptd.manifest import layout
-    from ckptd.writer.commit import wait_committed
 
     root = str(tmp_path)
     with ckptd.Checkpointer(root, agent=False) as ck:
@@ -256,8 +254,18 @@ def test_a_waiting_rank_is_not_woken_by_the_other_ranks_partials(tmp_path):
     st = LocalStorage(root)
     path = layout.manifest_path(1)
     raw = st.read_bytes(path)
-    attempt = json.loads(raw)["attempt"]
-    os.remove(tmp_path / path)  # not committed yet, as far as the waiter can tell
+    os.remove(tmp_path / path)
+    return st, path, raw, json.loads(raw)["attempt"]
+
+
+def test_a_waiting_rank_is_not_woken_by_the_other_ranks_partials(tmp_path):
+    """wait_committed watches the step's directory for the manifest; the partials' directory
+    (where the coordinator's FAILED marker would be) takes every rank's partial, and each woke
+    every waiting process."""
+    from ckptd.manifest import layout
+    from ckptd.writer.commit import wait_committed
+
+    st, path, raw, attempt = _uncommitted(tmp_path)
     n = watch._get()
     assert n is not None
     before = n.events
@@ -286,18 +294,10 @@ def test_with_a_complete_watch_a_wait_woken_by_storage_asks_the_store_nothing(tm
     partials end, make no request to the process group's store (served by the coordinator's
     process): it carries only what storage could not take, asked after a pause the watch did
     not end."""
-    from ckptd.manifest import layout
     from ckptd.writer.commit import coordinate, wait_committed
     from ckptd.writer.group_store import GroupStore
 
-    root = str(tmp_path)
-    with ckptd.Checkpointer(root, agent=False) as ck:
-        ck.save({"w": torch.ones(3)}, step=1)
-    st = LocalStorage(root)
-    path = layout.manifest_path(1)
-    raw = st.read_bytes(path)
-    attempt = json.loads(raw)["attempt"]
-    os.remove(tmp_path / path)
+    st, path, raw, attempt = _uncommitted(tmp_path)
     n = watch._get()
     assert n is not None
     counted = _CountedStore()
