@@ -251,8 +251,8 @@ def test_the_fast_path_decodes_every_mutated_manifest_as_the_full_checks_do(save
 
 
 def test_a_chunk_made_by_the_fast_path_is_a_chunk(saved):
-    """What ``Chunk._of`` and ``FrameRef._of`` make (the fast path's constructors) is what
-    their dataclasses make: the same fields, equal and hashing alike."""
+    """What the fast path makes of a row is what the dataclasses' constructors make: the same
+    fields, equal and hashing alike, and as small (a ``__dict__`` sharing its keys)."""
     import dataclasses
 
     from ckptd.manifest.frames import FrameRef

@@ -130,12 +130,6 @@ class FrameRef:
     count: int
     digest: str  # xxh3 of the slice's bytes, 16 hex digits
 
-    @staticmethod
-    def _of(table: str, first: int, count: int, digest: str) -> FrameRef:
-        """``FrameRef(table, first, count, digest)`` from checked fields, through the
-        constructor (see :meth:`ckptd.manifest.schema.Chunk._of`: memory)."""
-        return FrameRef(table, first, count, digest)
-
     @property
     def byte_range(self) -> tuple[int, int]:
         return HEADER + self.first * ENTRY, self.count * ENTRY

@@ -99,7 +99,7 @@ def quick_tensors(body: dict[str, Any], lists: Lists) -> dict[str, TensorEntry] 
     operations a tensor; None at the first thing that is off (the reader's own checks then
     say what)."""
     out = {}
-    declared: dict[tuple[Any, ...], tuple[tuple[int, ...], int, Box]] = {}
+    declared: dict[tuple[Any, ...], tuple[int, Box]] = {}  # (dtype, *shape) -> itemsize, box
     digests: list[str] = []
     for name, entry in body.items():
         if not (type(entry) is list and len(entry) == 3 and name and "\0" not in name):
@@ -118,12 +118,12 @@ def quick_tensors(body: dict[str, Any], lists: Lists) -> dict[str, TensorEntry] 
                     and max(shape, default=0) <= MAX_INT  # (a dimension of 0 hides the rest)
                     and math.prod(shape) * itemsize <= MAX_INT):
                 return None
-            whole = Box.whole(tuple(shape))
-            known = declared[key] = whole.sizes, itemsize, whole
-        chunks = _quick(items, known[2], known[1], lists, digests)
+            known = declared[key] = itemsize, Box.whole(tuple(shape))
+        itemsize, whole = known
+        chunks = _quick(items, whole, itemsize, lists, digests)
         if chunks is None:
             return None
-        out[name] = TensorEntry(dtype, known[0], chunks)
+        out[name] = TensorEntry(dtype, whole.sizes, chunks)
     if not _HEX16S.fullmatch("".join(digests)):
         return None
     return out
@@ -175,9 +175,10 @@ def _quick(items: list[Any], whole: Box, itemsize: int, lists: Lists, digests: l
             inside_.add(file)
         digests.append(digest)
         length = box.numel * itemsize
-        out.append(Chunk._of(box, path, offset, length, names[codec_i], frame_bytes, rank,
-                             FrameRef._of(tables[table], first, -(-length // frame_bytes),
-                                          digest)))
+        # the constructors, not a __dict__ assigned whole: that shares no keys with the other
+        # chunks' (twice the memory of each)
+        out.append(Chunk(box, path, offset, length, names[codec_i], frame_bytes, None, rank,
+                         FrameRef(tables[table], first, -(-length // frame_bytes), digest)))
     return tuple(out)
 
 

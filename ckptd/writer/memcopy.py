@@ -87,8 +87,8 @@ def copy_all(copies: list[Copy], threads: int | None = None) -> None:
     """``memmove`` every ``(dst, src, n)``; returns when all are done. Uses up to ``threads``
     threads, the caller's included (default ``config.stage_threads()``)."""
     total = sum(n for _, _, n in copies)
-    k = threads if threads is not None else 1 if total <= SEGMENT else config.stage_threads()
-    if k <= 1 or total <= SEGMENT:  # one segment's worth: no helper pays for its hand-off
+    k = 1 if total <= SEGMENT else config.stage_threads() if threads is None else threads
+    if k <= 1:  # one segment's worth (no helper pays for its hand-off), or one thread
         for dst, src, n in copies:
             ctypes.memmove(dst, src, n)
         return

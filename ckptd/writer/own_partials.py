@@ -1,23 +1,22 @@
 """The partials this process wrote, kept for a coordinator in the same process, which takes
 them from here instead of reading and decoding them again (:func:`ckptd.writer.commit.coordinate`):
-a node agent writes every rank of its node (at W = 8 on one node, decoding the 8 partials was
-about a tenth of the agent's CPU per save), a saving rank 0 its own.
+a node agent writes every rank of its node, a saving rank 0 its own.
 
 A partial is put in place by one rename of exactly ``encode()`` of the object kept, so the one
 taken is the one a read would decode (``tests/test_commit_protocol.py`` checks that the merge
 is the same, byte for byte). The coordinator still lists the directory: what is present
 decides, never this memory. What is kept is bounded: only rank 0's partial, unless the process
 writes for several ranks (:func:`keep_every_rank`: the node agent); the :data:`_Kept.KEEP`
-newest; each without its chunks' frame tables (the manifest names them by reference only).
+newest; each, as a partial is made (:meth:`RankWriter.partial`), naming its chunks' frame
+tables by reference, not holding them.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 
-from ckptd.manifest import Chunk, Manifest, TensorEntry, layout
+from ckptd.manifest import Manifest, layout
 from ckptd.storage import Storage
 
 
@@ -62,17 +61,8 @@ def put_partial(storage: Storage, partial: Manifest) -> None:
     assert partial.rank is not None
     path = layout.partial_path(partial.step, partial.attempt, partial.rank)
     if partial.rank == 0 or _every_rank:
-        _kept.put(storage, path, _without_frames(partial))
+        _kept.put(storage, path, partial)
     storage.put_visible(path, partial.encode())
-
-
-def _without_frames(partial: Manifest) -> Manifest:
-    """``partial`` as a reader decodes it: its chunks name their frame tables, not hold them."""
-    return dataclasses.replace(partial, tensors={
-        n: TensorEntry(e.dtype_name, e.shape, tuple(
-            Chunk(c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, None, c.rank, c.ref)
-            for c in e.chunks))
-        for n, e in partial.tensors.items()})
 
 
 def take(storage: Storage, path: str) -> Manifest | None:

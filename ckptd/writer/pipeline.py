@@ -274,8 +274,11 @@ class RankWriter:
                  refs: Sequence[tuple[int, int, str]]) -> Manifest:
         by_name: dict[str, list[Chunk]] = {}
         for (name, c), (first, count, digest) in zip(chunks, refs, strict=True):
-            by_name.setdefault(name, []).append(Chunk(  # not dataclasses.replace: 3x the time
-                c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, c.frames, c.rank,
+            # as a reader decodes it: the chunk names its slice of the frame table (the table
+            # itself is in the file; the partial does not hold it) — not dataclasses.replace:
+            # 3x the time
+            by_name.setdefault(name, []).append(Chunk(
+                c.box, c.file, c.offset, c.length, c.codec, c.frame_bytes, None, c.rank,
                 FrameRef(table, first, count, digest)))
         # what it wrote, in full; what it holds but a replica wrote, summed up per replica set
         # (the coordinator checks that the set's members wrote all of it), or by name when the
