@@ -82,6 +82,7 @@ class AgentClient:
         self._next = 0
         self._replies: dict[int, Future[dict[str, Any]]] = {}
         self._done: dict[int, Future[dict[str, Any]]] = {}
+        self._unseen: list[Future[dict[str, Any]]] = []  # saw_commit's answers, not waited for
         self._segments: dict[int, tuple[int, Segment]] = {}  # data_ptr -> (id, mapping)
         self._lost: AgentLost | None = None
         self.keep = 0  # steps the agent keeps in memory: arenas it holds on to after a save
@@ -230,9 +231,21 @@ class AgentClient:
 
     def saw_commit(self, rank: int, step: int) -> None:
         """``rank``'s ``step`` committed (its trainer saw it): the agent may drop older steps
-        and copy this one to its peers. The arenas it gives back arrive before this returns."""
-        self._request({"op": "committed", "storage": self._storage, "rank": rank, "step": step},
-                      timeout_s=self._timeout_s)
+        and copy this one to its peers. Sent without waiting for the answer, so that the save
+        completes at its commit, not one round trip to a busy agent later; :meth:`seen` waits
+        for the answer (and the arenas it gives back, which arrive before it)."""
+        reply = self._ask({"op": "committed", "storage": self._storage, "rank": rank,
+                           "step": step})
+        with self._lock:
+            self._unseen.append(reply)
+
+    def seen(self) -> None:
+        """Wait for the answers to :meth:`saw_commit` not waited for yet: before the next
+        staging (it may need an arena the commit let go of) and before closing."""
+        with self._lock:
+            waiting, self._unseen = self._unseen, []
+        for reply in waiting:
+            self._answer(reply, self._timeout_s)
 
     def settle(self) -> None:
         """The retention the agent owes this trainer's root (after its last save's commit),
@@ -284,11 +297,18 @@ class AgentClient:
 
     def _request(self, msg: dict[str, Any], rid: int | None = None,
                  timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+        return self._answer(self._ask(msg, rid), timeout_s)
+
+    def _ask(self, msg: dict[str, Any], rid: int | None = None) -> Future[dict[str, Any]]:
+        """Send a request; its answer comes through the returned future."""
         rid = rid if rid is not None else self._new_id()
         reply: Future[dict[str, Any]] = Future()
         with self._lock:
             self._replies[rid] = reply
         self._send({**msg, "id": rid})
+        return reply
+
+    def _answer(self, reply: Future[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
         try:
             out = reply.result(timeout=timeout_s)
         except FutureTimeout:

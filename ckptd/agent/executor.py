@@ -62,6 +62,10 @@ class AgentExecutor:
 
     @property
     def pool(self) -> StagingPool:
+        """Where the next save stages; the agent's arenas once it has answered the commits
+        this process told it of (they may give one back)."""
+        if self.alive:
+            self._seen()
         return self._pool if self.alive else self.fallback.pool
 
     @property
@@ -131,10 +135,17 @@ class AgentExecutor:
         if not self.alive:
             return
         try:
-            self.client.saw_commit(rank, step)
+            self.client.saw_commit(rank, step)  # answered later: _seen
         except CkptdError as e:  # lost: it holds nothing any more
             log.warning("ckptd: the node agent did not take note of step %d's commit: %s",
                         step, e)
+
+    def _seen(self) -> None:
+        """The agent's answers to :meth:`saw_commit`, waited for."""
+        try:
+            self.client.seen()
+        except CkptdError as e:  # lost: it holds nothing any more
+            log.warning("ckptd: the node agent did not take note of a commit: %s", e)
 
     def settle(self) -> None:
         """The retention the agent owes (after its last commit), and this process's."""
@@ -146,6 +157,8 @@ class AgentExecutor:
                 log.warning("ckptd: the node agent did not settle retention: %s", e)
 
     def close(self) -> None:
+        if self.alive:
+            self._seen()
         self.client.close()
 
     def _lose(self, error: BaseException) -> None:
