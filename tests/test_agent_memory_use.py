@@ -119,6 +119,8 @@ def test_starting_an_agent_is_said_once_and_status_and_stop_tell_what_it_holds(
     for what in (f"pid {pid}", "ckptd agent --stop", "CKPTD_AGENT=0", agents.paths["log"],
                  "GiB"):
         assert what in said[0], (what, said[0])
+    # what it held from its start is frozen: the collector's full passes skip it
+    assert _status(capsys)["agents"][0]["gc_frozen"] > 10_000
     capsys.readouterr()
     assert ckptd_command(["agent", "--status"]) == 0
     text = capsys.readouterr().out

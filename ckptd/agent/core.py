@@ -19,6 +19,7 @@ from ckptd.agent.peer_wire import PeerServer
 from ckptd.agent.replication import Outgoing, Replicator
 from ckptd.agent.upkeep import Upkeep
 from ckptd.storage import Storage
+from ckptd.writer.partial_groups import Groups
 
 
 @dataclass(eq=False)
@@ -66,6 +67,7 @@ class AgentCore(Protocol):
     upkeep: Upkeep
     shares: Shares
     stopping: threading.Event
+    partial_groups: Groups  # its jobs' partials share frame tables
 
     @property
     def peer_side(self) -> PeerSide: ...

@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
@@ -19,6 +19,7 @@ from ckptd.agent.orphans import JobKey, root_key
 from ckptd.agent.shm import Segment
 from ckptd.manifest import codecs
 from ckptd.writer import retention
+from ckptd.writer.executor import Inline, writes_inline
 from ckptd.writer.group_store import GroupStore
 from ckptd.writer.job import Interrupted, SaveJob, run
 
@@ -264,8 +265,11 @@ class Session:
                     self.agent.peer_side.step_committed(msg["storage"], job.share.rank, kept)
             else:
                 out["released"] = []
-            log.info("ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
-                     out["write_s"], ", committed" if job.share.rank == 0 else "")
+            # one line a commit; a line a rank and save only when asked (DEBUG): at eight
+            # ranks a node and a save a second, the log would take a line every 125 ms
+            log.log(logging.INFO if job.share.rank == 0 else logging.DEBUG,
+                    "ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
+                    out["write_s"], ", committed" if job.share.rank == 0 else "")
             self.reply({"id": rid, "op": "done", **out})
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
@@ -282,7 +286,7 @@ class Session:
         (:meth:`Agent._stop_writes_peers_hold`), have the peer that holds its staged copy write
         it: that node. Here after all if no such peer will."""
         assert self._io is not None, "hello first"
-        io = self._io
+        io: Executor = Inline() if writes_inline(job) else self._io
         storage = self.agent.storage(msg["storage"])
         give_up = self.agent.give_up(msg["storage"], key)
         flight = Flight(job.round.nbytes, self.agent.gate(), early)
@@ -292,7 +296,7 @@ class Session:
         try:
             with self.agent.writing(flight):
                 out = run(job, storage, io, seg.tensor, signals=GroupStore(None), owed=owed,
-                          give_up=give_up, gate=flight.gate)
+                          give_up=give_up, gate=flight.gate, groups=self.agent.partial_groups)
             return {"nbytes": out.nbytes, "write_s": out.write_s}
         except Interrupted as e:
             assert early is not None  # only a save with a copy held by a peer is stopped
@@ -305,7 +309,8 @@ class Session:
                     job.share.rank, job.share.step, len(job.round.plans) - len(written),
                     len(job.round.plans))
         out = run(job, storage, io, seg.tensor, signals=GroupStore(None), owed=None,
-                  give_up=give_up, gate=self.agent.gate(), written=written)
+                  give_up=give_up, gate=self.agent.gate(), written=written,
+                  groups=self.agent.partial_groups)
         # its write time is of the files left: no bandwidth to learn
         return {"nbytes": out.nbytes, "write_s": out.write_s, "resumed": True}
 

@@ -32,8 +32,9 @@ from ckptd.writer.staging import Arena, StagingPool
 P = ParamSpec("P")
 T = TypeVar("T")
 
-# A job of one file of at most this many staged bytes has its file written by the save thread
-# (in ``finish``) instead of an I/O thread: for a small file the hand-off (a queue, a worker's
+# A job of one file of at most this many staged bytes has its file written by the thread that
+# runs the job (the save thread in ``finish``; the node agent's job thread) instead of an I/O
+# thread: for a small file the hand-off (a queue, a worker's
 # wake-up, a future the save thread waits on) costs more CPU than the overlap buys, on a host
 # whose ranks share few cores. Larger files, and any job with several, keep the I/O threads.
 INLINE_BYTES = 1 << 20
@@ -140,8 +141,7 @@ class InProcess:
     def start(self, job: SaveJob, arena: Arena, pool: StagingPool, *,
               stage_first: bool) -> Pending:
         pending = Pending(job, arena, pool, t_write=time.perf_counter())
-        if (not stage_first and self.auto is None and len(job.round.plans) == 1
-                and job.round.nbytes <= INLINE_BYTES):
+        if not stage_first and self.auto is None and writes_inline(job):
             pending.inline = True  # finish() writes it (INLINE_BYTES)
             return pending
         pending.futures = self.writer(job.codec, job.level).start_files(
@@ -168,7 +168,7 @@ class InProcess:
         if pending.inline and pending.futures is None and pending.arena is not None:
             # before run()'s wait for the retention owed, as an I/O thread would have
             pending.t_write = time.perf_counter()
-            writer = RankWriter(self.storage, _Now(), self._pool, job.codec, job.level)
+            writer = RankWriter(self.storage, Inline(), self._pool, job.codec, job.level)
             pending.futures = writer.start_files(job.share, pending.arena, job.round, 0,
                                                  stage_first=False, codec=job.codec,
                                                  framing=job.framing)
@@ -208,7 +208,7 @@ class InProcess:
         pass
 
 
-class _Now(Threads):
+class Inline(Threads):
     """An executor that runs each call at once, in the caller's thread; its outcome (the
     value or what it raised) goes into the returned Future, as a thread pool's would."""
 
@@ -221,4 +221,12 @@ class _Now(Threads):
         return future
 
 
-__all__ = ["INLINE_BYTES", "Executor", "InProcess", "Outcome", "Pending"]
+def writes_inline(job: SaveJob) -> bool:
+    """Whether the thread that runs ``job`` writes its file itself (:class:`Inline`): one file
+    of at most ``INLINE_BYTES``, which an I/O thread's hand-offs (a wake-up there, one back)
+    would cost more than they overlap."""
+    return len(job.round.plans) == 1 and job.round.nbytes <= INLINE_BYTES
+
+
+__all__ = ["INLINE_BYTES", "Executor", "InProcess", "Inline", "Outcome", "Pending",
+           "writes_inline"]

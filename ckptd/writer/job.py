@@ -33,6 +33,7 @@ from ckptd.storage import Storage
 from ckptd.writer import commit, retention
 from ckptd.writer.files import ChunkList, Framing, gather
 from ckptd.writer.group_store import GroupStore
+from ckptd.writer.partial_groups import Groups
 from ckptd.writer.pipeline import RankWriter, Round, Share, discard_share, stored_bytes
 from ckptd.writer.staging import Arena, StagingPool
 
@@ -95,7 +96,8 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
         gate: Callable[[int], None] | None = None,
         written: dict[int, ChunkList] | None = None,
         started: list[Future[ChunkList]] | None = None,
-        chunks: ChunkList | None = None, only_commit: bool = False) -> Written:
+        chunks: ChunkList | None = None, only_commit: bool = False,
+        groups: Groups | None = None) -> Written:
     """The background half of ``job`` over its staged ``arena`` (see the module docstring).
 
     ``owed``: the executor's retention, waited for before the files and started again in the
@@ -105,13 +107,16 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
     Where the files are already under way or done: ``started`` (their futures: staged and
     started file by file in the caller's thread), ``chunks`` (every file written: a save over
     the host budget, written round by round), ``written`` (some files written: an interrupted
-    run's), ``only_commit`` (the partial is in place: a lost node agent's job, taken over)."""
+    run's), ``only_commit`` (the partial is in place: a lost node agent's job, taken over).
+    ``groups``: the partial's frame table shared with the ranks of the same attempt that this
+    process writes at the same time (the node agent: :mod:`ckptd.writer.partial_groups`)."""
     share = job.share
     if owed is not None:
         owed.settle()  # the previous commit's, if it still runs: this save needs its space
     t0 = time.perf_counter()
     if not only_commit:
-        chunks = _write(job, storage, io, arena, signals, gate, written, started, chunks)
+        chunks = _write(job, storage, io, arena, signals, gate, written, started, chunks,
+                        groups)
     write_s = time.perf_counter() - t0
     if share.rank == 0:
         try:
@@ -131,7 +136,8 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
 
 def _write(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, signals: GroupStore,
            gate: Callable[[int], None] | None, written: dict[int, ChunkList] | None,
-           started: list[Future[ChunkList]] | None, chunks: ChunkList | None) -> ChunkList:
+           started: list[Future[ChunkList]] | None, chunks: ChunkList | None,
+           groups: Groups | None) -> ChunkList:
     """The files (unless ``chunks``) and the partial; a failure recorded and cleaned up."""
     share = job.share
     writer = RankWriter(storage, io, StagingPool(1), job.codec, job.level, gate)
@@ -151,7 +157,11 @@ def _write(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, si
                 done.update({p.index: f.result() for p, f in zip(plans, futures, strict=True)
                              if f.exception() is None})
             chunks = [c for i in sorted(done) for c in done[i]]
-        writer.write_partial(share, chunks)  # (a stop after the last file changes nothing)
+        # (a stop after the last file changes nothing)
+        if groups is not None:
+            groups.write_partial(writer, share, chunks)
+        else:
+            writer.write_partial(share, chunks)
     except Interrupted as e:
         raise Interrupted(str(e), done) from None
     except BaseException as e:

@@ -253,16 +253,11 @@ class RankWriter:
         """``partial`` of several ranks of one attempt, with one frame table for them all
         (named after the first rank): a reshard to a thousand ranks writes one per wave."""
         for share, chunks in ranks:
-            unknown = {name for name, _ in chunks} - set(share.declared)
-            if unknown:
-                raise CkptdError(f"rank {share.rank}: chunks written for undeclared tensors "
-                                 f"{sorted(unknown)}")
+            check_chunks(share, chunks)
         share0 = ranks[0][0]
         table = layout.frame_table(share0.attempt, share0.rank)
         blob, refs = table_file([c.frames for _, chunks in ranks for _, c in chunks
                                  if c.frames is not None])
-        if len(refs) != sum(len(chunks) for _, chunks in ranks):
-            raise CkptdError("a chunk without frames cannot be written")
         self.storage.write_file(f"{layout.step_dir(share0.step)}/{table}", [blob])
         out, at = [], 0
         for share, chunks in ranks:
@@ -336,6 +331,16 @@ class RankWriter:
 
     def discard(self, share: Share, files: int, *, partial: bool = False) -> None:
         discard_share(self.storage, share, files, partial=partial)
+
+
+def check_chunks(share: Share, chunks: list[tuple[str, Chunk]]) -> None:
+    """What a rank's partial may hold: chunks of tensors it declared, each with its frames."""
+    unknown = {name for name, _ in chunks} - set(share.declared)
+    if unknown:
+        raise CkptdError(f"rank {share.rank}: chunks written for undeclared tensors "
+                         f"{sorted(unknown)}")
+    if any(c.frames is None for _, c in chunks):
+        raise CkptdError(f"rank {share.rank}: a chunk without frames cannot be written")
 
 
 def discard_share(storage: Storage, share: Share, files: int, *, partial: bool = False) -> None:
