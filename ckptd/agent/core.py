@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ckptd.agent.commits import Commits
 from ckptd.agent.gate import Gate
 from ckptd.agent.holdings import HeldStep, Holdings
 from ckptd.agent.orphans import JobKey, Shares
@@ -68,6 +69,7 @@ class AgentCore(Protocol):
     shares: Shares
     stopping: threading.Event
     partial_groups: Groups  # its jobs' partials share frame tables
+    commits: Commits  # its rank-0 jobs' commits, for its other ranks' replies
 
     @property
     def peer_side(self) -> PeerSide: ...

@@ -127,7 +127,10 @@ class AgentExecutor:
                                              job.codec)
         if share.rank == 0 and handed is None:
             self.signals.publish_committed(share.attempt)  # the agent committed it
-        return Outcome(int(reply["nbytes"]), float(reply.get("write_s", 0.0)), handed)
+        # (another rank: rank 0's job in the same agent committed it, and the agent took
+        # note — an agent that does not say so leaves the wait to the Saver)
+        return Outcome(int(reply["nbytes"]), float(reply.get("write_s", 0.0)), handed,
+                       committed=handed is None and reply.get("committed") is True)
 
     def saw_commit(self, rank: int, step: int) -> None:
         """The agent keeps a step it wrote but did not commit beside the committed one until

@@ -37,6 +37,7 @@ from typing import Any
 
 from ckptd import catalog, config
 from ckptd.agent import orphans, wire
+from ckptd.agent.commits import Commits
 from ckptd.agent.core import Flight
 from ckptd.agent.gate import Gate
 from ckptd.agent.holdings import Holdings
@@ -82,6 +83,7 @@ class Agent:
         self._root_jobs: Counter[str] = Counter()  # and by root
         self.shares = orphans.Shares()  # by attempt and rank, for peers' questions
         self.partial_groups = Groups()  # the node's ranks' partials share frame tables
+        self.commits = Commits()  # what its rank-0 jobs committed, for the node's other ranks
         self._storages: dict[str, Storage] = {}
         self._state: dict[tuple[str, int], int] = {}  # (root, rank) -> its last save's bytes
         self._write_bps = 0.0  # measured: the newest job's files over their write time

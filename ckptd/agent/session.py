@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptd import config
@@ -46,6 +46,12 @@ def background() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice())
         except OSError as e:  # not Linux, or not allowed: the default priority
             log.info("ckptd agent: writer threads keep their priority (%s)", e)
+
+
+def job_step_key(msg: dict[str, Any]) -> tuple[str, int, str]:
+    """The root, step and attempt of a ``save`` message's job (:mod:`ckptd.agent.commits`)."""
+    share = msg["job"]["share"]
+    return root_key(msg["storage"]), int(share["step"]), str(share["attempt"])
 
 
 class Session:
@@ -165,10 +171,21 @@ class Session:
             # through its "failed" reply
             seg = self.segments[int(msg["segment"])]
             job = JobKey.of(msg["storage"], msg["job"])
+            # rank 0's: this agent coordinates, and tells its node's other ranks how it went
+            # (registered before the job counts as started: a waiter that sees it running
+            # finds its outcome)
+            outcome = (self.agent.commits.expect(job_step_key(msg))
+                       if msg["job"]["share"].get("rank") == 0 else None)
             self.agent.job_started(job)
             with self._state:
                 self._in_use[int(msg["segment"])] = self._in_use.get(int(msg["segment"]), 0) + 1
-            self._jobs.submit(self._run, int(msg["id"]), job, msg, int(msg["segment"]))
+            try:
+                self._jobs.submit(self._run, int(msg["id"]), job, msg, int(msg["segment"]),
+                                  outcome)
+            except BaseException:
+                if outcome is not None:
+                    outcome.set_result(False)  # never runs: nobody waits for it
+                raise
         elif op == "drain":  # a restarted job waits for its predecessor's saves to finish
             # and they stop waiting for shares no agent writes or awaits (ckptd.agent.orphans)
             self.agent.shares.started(self.root, str(msg["run"]))
@@ -220,7 +237,9 @@ class Session:
         left = self.agent.wait_idle(timeout_s, but=run)
         self.reply({"id": rid, "op": "drained", "busy": left})
 
-    def _run(self, rid: int, key: JobKey, msg: dict[str, Any], seg_id: int) -> None:
+    def _run(self, rid: int, key: JobKey, msg: dict[str, Any], seg_id: int,
+             outcome: Future[bool] | None) -> None:
+        """Job ``rid``; ``outcome``: on rank 0, its commit's (:mod:`ckptd.agent.commits`)."""
         share = msg["job"].get("share", {})
         what = f"rank {share.get('rank')} step {share.get('step')}"
         claimed = 0
@@ -243,8 +262,11 @@ class Session:
             kept = self._keep(job, seg, seg_id)
             early = (self.agent.peer_side.replicate_staged(msg["storage"], job.share.rank, kept)
                      if kept is not None else None)
+            step_key = job_step_key(msg)
             try:
                 out = self._write(msg, job, seg, key, early)
+                if outcome is not None:  # (a str: a peer's agent commits it)
+                    outcome.set_result(not isinstance(out, str))
             except BaseException:
                 if early is not None:
                     early.abandon()  # before the trainer gets this arena back
@@ -252,12 +274,16 @@ class Session:
             if isinstance(out, str):  # the peer with its copy writes it
                 self._handed(rid, nbytes, out)
                 return
+            # (rank 0: it committed; another rank: rank 0's job here committed it — the
+            # trainer then neither waits for the manifest nor says it saw it)
+            out["committed"] = committed = (job.share.rank == 0
+                                            or self.agent.commits.committed(step_key))
             out["warning"] = self.agent.grace_check(
                 msg["storage"], job.share.rank, out["nbytes"],
                 0.0 if out.pop("resumed", False) else out["write_s"])
             out["kept"] = kept is not None
             if kept is not None:
-                kept.committed = job.share.rank == 0  # this agent committed it
+                kept.committed = committed
                 if kept.committed:
                     self.agent.holdings.owned_by(msg["storage"], job.commit.run_id)
                 out["released"] = self.agent.holdings.keep(msg["storage"], job.share.rank, kept)
@@ -269,12 +295,14 @@ class Session:
             # ranks a node and a save a second, the log would take a line every 125 ms
             log.log(logging.INFO if job.share.rank == 0 else logging.DEBUG,
                     "ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
-                    out["write_s"], ", committed" if job.share.rank == 0 else "")
+                    out["write_s"], ", committed" if committed else "")
             self.reply({"id": rid, "op": "done", **out})
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply(wire.failure(rid, e))
         finally:
+            if outcome is not None and not outcome.done():
+                outcome.set_result(False)  # it failed
             self.agent.unbook_write(claimed)
             self._job_done(seg_id)
             self.agent.job_ended(key)

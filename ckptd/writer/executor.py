@@ -59,11 +59,14 @@ class Pending:
 @dataclass(frozen=True)
 class Outcome:
     """How a job ended: its stored bytes, and whether the commit is done (rank 0: it is, unless
-    ``handed_to`` — a peer's node agent writes the share and, on rank 0, commits)."""
+    ``handed_to`` — a peer's node agent writes the share and, on rank 0, commits; another rank:
+    ``committed``, when the executor saw the commit happen — the node agent that ran rank 0's
+    job — and took note of it, else the rank waits for it)."""
 
     nbytes: int
     write_s: float
     handed_to: str | None = None
+    committed: bool = False
 
 
 class Executor(Protocol):

@@ -288,7 +288,9 @@ class Saver:
     # ------------------------------------------------------------------ the save thread's half
     def _finish(self, save: _Save, stage_here: bool) -> None:
         """Stage (``overlap=True``); the executor carries the job to its end (files, partial,
-        on rank 0 the commit); the other ranks wait for the commit; then the metrics line."""
+        on rank 0 the commit); the other ranks wait for the commit, unless the executor saw it
+        (the node agent that ran rank 0's job: ``Outcome.committed``); then the metrics
+        line."""
         h, share, opts = save.handle, save.job.share, self.options
         taken = False  # the executor holds the job: it records and cleans up its failures
         try:
@@ -301,7 +303,7 @@ class Saver:
             if out.handed_to is not None:  # a peer's agent commits (on rank 0) or writes it
                 h._mark_handed(out.handed_to)
                 commit.wait_committed(self.storage, share.step, share.attempt, self.signals)
-            elif opts.rank != 0:
+            elif opts.rank != 0 and not out.committed:
                 self._wait_committed(save)
             result = SaveResult(share.step, h.url, out.nbytes, h.stall_s,
                                 time.perf_counter() - t_staged, out.handed_to,

@@ -1,0 +1,79 @@
+"""The node agent that runs rank 0's job tells the node's other ranks their save committed
+(``ckptd.agent.commits``): their trainers neither wait for the manifest nor tell the agent they
+saw it. Where rank 0's job was not in the agent when a rank's job ended, the trainer waits as
+before. Both ranks are Checkpointers of this process, each with its own session of one real
+agent."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+from agent_procs import wait_until
+
+import ckptd
+from ckptd.agent import client as client_module
+from ckptd.agent import wire
+from ckptd.writer import commit
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often a trainer here waited for a commit and told its agent it saw one."""
+    calls = {"waited": 0, "told": 0}
+    wait, tell = commit.wait_committed, client_module.AgentClient.saw_commit
+
+    def waited(*a, **k):  # type: ignore[no-untyped-def]
+        calls["waited"] += 1
+        return wait(*a, **k)
+
+    def told(*a, **k):  # type: ignore[no-untyped-def]
+        calls["told"] += 1
+        return tell(*a, **k)
+
+    monkeypatch.setattr(commit, "wait_committed", waited)
+    monkeypatch.setattr(client_module.AgentClient, "saw_commit", told)
+    return calls
+
+
+def _state(rank: int, step: int) -> dict[str, object]:
+    return {"w": ckptd.Shard(torch.full((8,), float(10 * step + rank)), (16,), (8 * rank,))}
+
+
+def _running(agents) -> int:  # type: ignore[no-untyped-def]
+    return int(wire.request(agents.paths["sock"], {"op": "status"}, timeout_s=10.0)
+               ["saves_running"])
+
+
+def test_the_ranks_of_the_coordinating_node_learn_the_commit_from_their_agent(
+        tmp_path, agents, monkeypatch):
+    root = str(tmp_path / "root")
+    calls = _counting(monkeypatch)
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
+        assert c0.executor == c1.executor == "agent"
+        for step in (1, 2):
+            h0 = c0.save_async(_state(0, step), step=step)  # its job waits for rank 1's share
+            wait_until(lambda: _running(agents) == 1, 60, "rank 0's job to run in the agent")
+            c1.save(_state(1, step), step=step)
+            h0.result()
+    assert calls == {"waited": 0, "told": 0}
+    with ckptd.Checkpointer(root, agent=False) as c:
+        got = {"w": torch.zeros(16)}
+        c.load(got, step=2)
+    assert torch.equal(got["w"], torch.tensor([20.0] * 8 + [21.0] * 8))
+
+
+def test_a_rank_whose_job_ends_before_rank_0_s_arrives_waits_for_the_commit_itself(
+        tmp_path, agents, monkeypatch):
+    root = str(tmp_path / "root")
+    calls = _counting(monkeypatch)
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
+        h1 = c1.save_async(_state(1, 1), step=1)
+        wait_until(lambda: glob.glob(f"{root}/step-000000001/ranks/*/00001.json"), 60,
+                   "rank 1's partial")
+        wait_until(lambda: calls["waited"] == 1, 60, "rank 1 to wait for the commit itself")
+        c0.save(_state(0, 1), step=1)
+        h1.result()
+    assert calls == {"waited": 1, "told": 1}
