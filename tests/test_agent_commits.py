@@ -6,7 +6,9 @@ agent."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,6 +42,15 @@ def _state(rank: int, step: int) -> dict[str, object]:
     return {"w": ckptd.Shard(torch.full((8,), float(10 * step + rank)), (16,), (8 * rank,))}
 
 
+@contextlib.contextmanager
+def _two_ranks(root: str) -> Iterator[tuple[ckptd.Checkpointer, ckptd.Checkpointer]]:
+    """Ranks 0 and 1 of one run, each with its own session of this node's agent."""
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
+        assert c0.executor == c1.executor == "agent"
+        yield c0, c1
+
+
 def _running(agents) -> int:  # type: ignore[no-untyped-def]
     return int(wire.request(agents.paths["sock"], {"op": "status"}, timeout_s=10.0)
                ["saves_running"])
@@ -49,9 +60,7 @@ def test_the_ranks_of_the_coordinating_node_learn_the_commit_from_their_agent(
         tmp_path, agents, monkeypatch):
     root = str(tmp_path / "root")
     calls = _counting(monkeypatch)
-    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
-            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
-        assert c0.executor == c1.executor == "agent"
+    with _two_ranks(root) as (c0, c1):
         for step in (1, 2):
             h0 = c0.save_async(_state(0, step), step=step)  # its job waits for rank 1's share
             wait_until(lambda: _running(agents) == 1, 60, "rank 0's job to run in the agent")
@@ -68,8 +77,7 @@ def test_a_rank_whose_job_ends_before_rank_0_s_arrives_waits_for_the_commit_itse
         tmp_path, agents, monkeypatch):
     root = str(tmp_path / "root")
     calls = _counting(monkeypatch)
-    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
-            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
+    with _two_ranks(root) as (c0, c1):
         h1 = c1.save_async(_state(1, 1), step=1)
         wait_until(lambda: glob.glob(f"{root}/step-000000001/ranks/*/00001.json"), 60,
                    "rank 1's partial")
