@@ -62,6 +62,8 @@ def test_the_ranks_of_the_coordinating_node_learn_the_commit_from_their_agent(
     calls = _counting(monkeypatch)
     with _two_ranks(root) as (c0, c1):
         for step in (1, 2):
+            # the previous step's jobs have ended (they count as running until after the reply)
+            wait_until(lambda: _running(agents) == 0, 60, "the agent to finish its jobs")
             h0 = c0.save_async(_state(0, step), step=step)  # its job waits for rank 1's share
             wait_until(lambda: _running(agents) == 1, 60, "rank 0's job to run in the agent")
             c1.save(_state(1, step), step=step)
