@@ -34,9 +34,9 @@ T = TypeVar("T")
 
 # A job of one file of at most this many staged bytes has its file written by the thread that
 # runs the job (the save thread in ``finish``; the node agent's job thread) instead of an I/O
-# thread: for a small file the hand-off (a queue, a worker's
-# wake-up, a future the save thread waits on) costs more CPU than the overlap buys, on a host
-# whose ranks share few cores. Larger files, and any job with several, keep the I/O threads.
+# thread: for a small file the hand-off (a queue, a worker's wake-up, a future the job's
+# thread waits on) costs more CPU than the overlap buys, on a host whose ranks share few cores.
+# Larger files, and any job with several, keep the I/O threads.
 INLINE_BYTES = 1 << 20
 
 

@@ -8,9 +8,10 @@ group commit does: the first one writes at once, alone; the ones that arrive whi
 under way queue, and the first of them then writes one table for the whole queue and each of
 their partials, which name their slices of it (as ``ckptd reshard`` writes one table for many
 target ranks). Nobody waits for a rank that has not arrived, so a group never delays a save;
-on a node of eight ranks the eight tables become two to four files (``docs/format.md``,
-*Fsyncs*). A table is named after the first rank of its group; every rank's partial names the
-table it uses. If the shared write fails, every rank of the group fails with that error.
+a node's ranks write fewer tables than there are ranks (``docs/format.md``, *Fsyncs*;
+``tests/test_partial_groups.py``: eight ranks, two tables). A table is named after the first
+rank of its group; every rank's partial names the table it uses. If the shared write fails,
+every rank of the group fails with that error.
 """
 
 from __future__ import annotations
