@@ -14,6 +14,7 @@ import torch
 
 from ckptd import policies
 from ckptd.errors import CkptdError
+from ckptd.hostarray import HostArray
 from ckptd.manifest import TensorEntry, layout
 from ckptd.manifest import values as typed
 from ckptd.manifest.schema import dtype_from_name, dtype_name
@@ -82,6 +83,10 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
     s = doc["share"]
     declared = {n: TensorEntry(dtype_from_name(d, n), tuple(int(x) for x in shape))
                 for n, (d, shape) in s["declared"].items()}
+    # the pieces view the arena through numpy (:class:`HostArray`), not torch: the writer only
+    # reads their bytes, and every torch call releases and takes back the GIL — with a node's
+    # jobs arriving together, a wait for it each time (three calls a slot)
+    host = HostArray(arena.numpy(), "uint8")
     plans = []
     for f in doc["files"]:
         slots = []
@@ -94,9 +99,10 @@ def decode(doc: dict[str, Any], arena: torch.Tensor) -> SaveJob:
                     or offset + nbytes > arena.numel()):
                 raise CkptdError(f"agent job: slot of {name!r} at {offset}+{nbytes} does not "
                                  f"fit its box or the {arena.numel()}-byte arena")
-            view = arena[offset: offset + nbytes].view(entry.dtype).view(tuple(sizes))
+            dtype = dtype_name(entry.dtype)
+            view = host[offset: offset + nbytes].view(dtype).view(tuple(sizes))
             box = Box(tuple(offsets), tuple(sizes))
-            slots.append(Slot(Piece(name, entry.shape, entry.dtype, box, view), offset, nbytes))
+            slots.append(Slot(Piece(name, entry.shape, dtype, box, view), offset, nbytes))
         plans.append(FilePlan(f["index"], f["start"], f["end"], slots))
     values, tuples, by_rank = typed.decode(
         s["values"], {str(s["rank"]): s["locals"]},
