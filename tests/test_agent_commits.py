@@ -87,3 +87,32 @@ def test_a_rank_whose_job_ends_before_rank_0_s_arrives_waits_for_the_commit_itse
         c0.save(_state(0, 1), step=1)
         h1.result()
     assert calls == {"waited": 1, "told": 1}
+
+
+def test_a_waiting_rank_is_answered_by_the_thread_that_ends_rank_0_s_job():
+    """``Commits.when_ended``: the reply of a rank that waits for rank 0's job runs in the
+    thread that ends that job, with its outcome; at once when it has ended; not at all (False)
+    when no rank-0 job of the attempt arrived."""
+    import threading
+
+    from ckptd.agent.commits import Commits
+
+    commits = Commits()
+    calls: list[tuple[str, bool]] = []
+
+    def record(committed: bool) -> None:
+        calls.append((threading.current_thread().name, committed))
+
+    assert not commits.when_ended(("r", 1, "a-1"), record)  # no rank 0 job here
+    ok, failed = commits.expect(("r", 1, "a-1")), commits.expect(("r", 2, "a-2"))
+    assert commits.when_ended(("r", 1, "a-1"), record)
+    assert commits.when_ended(("r", 2, "a-2"), record)
+    assert calls == []  # rank 0's jobs still run
+    enders = [threading.Thread(target=ok.set_result, args=(True,), name="rank-0-job-1"),
+              threading.Thread(target=failed.set_result, args=(False,), name="rank-0-job-2")]
+    for t in enders:
+        t.start()
+        t.join()
+    assert calls == [("rank-0-job-1", True), ("rank-0-job-2", False)]
+    assert commits.when_ended(("r", 1, "a-1"), record)  # ended already: here, at once
+    assert calls[-1] == (threading.current_thread().name, True)

@@ -5,16 +5,18 @@ step's directory, a probe, a read of the manifest's lead: ``ckptd.writer.commit.
 and then tells its agent so (the ``committed`` message). On the node whose agent coordinates
 — it runs rank 0's job — both are work the agent can save its trainers: when a rank's job there
 ends while rank 0's job of the same attempt runs in the same agent, the job waits for that
-commit and its reply says how it went, and the agent marks the rank's kept step committed
-itself. A trainer told ``committed`` neither waits nor sends; one told nothing (the commit
-failed, rank 0's job came after, or is another node's) waits as before. At eight ranks a
-node the node's seven other trainers save a watch, a wake-up and a message each per save.
+commit and its reply says how it went (sent by the thread that ends rank 0's job, for every
+rank waiting), and the agent marks the rank's kept step committed itself. A trainer told
+``committed`` neither waits nor sends; one told nothing (the commit failed, rank 0's job came
+after, or is another node's) waits as before. At eight ranks a node the node's seven other
+trainers save a watch, a wake-up and a message each per save.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 Key = tuple[str, int, str]  # (the root's key, step, attempt)
@@ -40,14 +42,18 @@ class Commits:
                 self._outcomes.popitem(last=False)
         return outcome
 
-    def committed(self, key: Key) -> bool:
-        """Whether rank 0's job of ``key`` in this agent committed it: waits for one still
-        running (it ends: with the commit, a failure or the coordinator's timeout). False when
-        no such job arrived here before (another node's agent coordinates, or it comes
-        later)."""
+    def when_ended(self, key: Key, then: Callable[[bool], None]) -> bool:
+        """Call ``then(committed)`` once rank 0's job of ``key`` in this agent has ended —
+        in the thread that ends it, right after its commit (or at once, here, if it ended
+        already); ``committed``: whether it committed. False, and nothing called, when no
+        such job arrived here before (another node's agent coordinates, or it comes later).
+        ``then`` must not raise."""
         with self._lock:
             outcome = self._outcomes.get(key)
-        return outcome is not None and outcome.result()
+        if outcome is None:
+            return False
+        outcome.add_done_callback(lambda f: then(f.result()))
+        return True
 
 
 __all__ = ["Commits", "Key"]

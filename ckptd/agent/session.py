@@ -274,29 +274,10 @@ class Session:
             if isinstance(out, str):  # the peer with its copy writes it
                 self._handed(rid, nbytes, out)
                 return
-            # (rank 0: it committed; another rank: rank 0's job here committed it — the
-            # trainer then neither waits for the manifest nor says it saw it)
-            out["committed"] = committed = (job.share.rank == 0
-                                            or self.agent.commits.committed(step_key))
-            out["warning"] = self.agent.grace_check(
-                msg["storage"], job.share.rank, out["nbytes"],
-                0.0 if out.pop("resumed", False) else out["write_s"])
-            out["kept"] = kept is not None
-            if kept is not None:
-                kept.committed = committed
-                if kept.committed:
-                    self.agent.holdings.owned_by(msg["storage"], job.commit.run_id)
-                out["released"] = self.agent.holdings.keep(msg["storage"], job.share.rank, kept)
-                if kept.committed and not kept.dropped:  # (dropped: older than a commit since)
-                    self.agent.peer_side.step_committed(msg["storage"], job.share.rank, kept)
+            if job.share.rank == 0:
+                self._done(rid, msg, job, out, kept, True)
             else:
-                out["released"] = []
-            # one line a commit; a line a rank and save only when asked (DEBUG): at eight
-            # ranks a node and a save a second, the log would take a line every 125 ms
-            log.log(logging.INFO if job.share.rank == 0 else logging.DEBUG,
-                    "ckptd agent: %s: %d bytes in %.3f s%s", what, out["nbytes"],
-                    out["write_s"], ", committed" if committed else "")
-            self.reply({"id": rid, "op": "done", **out})
+                self._done_after_commit(rid, msg, job, out, kept, step_key)
         except BaseException as e:  # noqa: BLE001 - the trainer learns it from the reply
             log.error("ckptd agent: %s failed: %s", what, e)
             self.reply(wire.failure(rid, e))
@@ -306,6 +287,57 @@ class Session:
             self.agent.unbook_write(claimed)
             self._job_done(seg_id)
             self.agent.job_ended(key)
+
+    def _done(self, rid: int, msg: dict[str, Any], job: SaveJob, out: dict[str, Any],
+              kept: HeldStep | None, committed: bool) -> None:
+        """Reply to the written job ``rid``. ``committed``: rank 0's job committed it, here
+        (the trainer then neither waits for the manifest nor says it saw it)."""
+        out["committed"] = committed
+        out["warning"] = self.agent.grace_check(
+            msg["storage"], job.share.rank, out["nbytes"],
+            0.0 if out.pop("resumed", False) else out["write_s"])
+        out["kept"] = kept is not None
+        if kept is not None:
+            kept.committed = committed
+            if kept.committed:
+                self.agent.holdings.owned_by(msg["storage"], job.commit.run_id)
+            out["released"] = self.agent.holdings.keep(msg["storage"], job.share.rank, kept)
+            if kept.committed and not kept.dropped:  # (dropped: older than a commit since)
+                self.agent.peer_side.step_committed(msg["storage"], job.share.rank, kept)
+        else:
+            out["released"] = []
+        # one line a commit; a line a rank and save only when asked (DEBUG): at eight ranks a
+        # node and a save a second, the log would take a line every 125 ms
+        log.log(logging.INFO if job.share.rank == 0 else logging.DEBUG,
+                "ckptd agent: rank %d step %d: %d bytes in %.3f s%s", job.share.rank,
+                job.share.step, out["nbytes"], out["write_s"], ", committed" if committed else "")
+        self.reply({"id": rid, "op": "done", **out})
+
+    def _done_after_commit(self, rid: int, msg: dict[str, Any], job: SaveJob,
+                           out: dict[str, Any], kept: HeldStep | None,
+                           step_key: tuple[str, int, str]) -> None:
+        """:meth:`_done` once rank 0's job of the same attempt here has ended, if one runs
+        (:mod:`ckptd.agent.commits`), else at once, not committed. The reply is sent by the
+        thread that ends rank 0's job, right after the commit, for every rank waiting: one
+        thread replying to the node's ranks in turn, where each rank's own thread woke and
+        waited for the GIL (at eight ranks, ~2 ms more from the commit to the last reply).
+        This job's thread waits for it, then ends the job as before."""
+        sent = threading.Event()
+        failed: list[BaseException] = []
+
+        def reply(committed: bool) -> None:
+            try:
+                self._done(rid, msg, job, out, kept, committed)
+            except BaseException as e:  # noqa: BLE001 - raised in this job's thread
+                failed.append(e)
+            finally:
+                sent.set()
+
+        if not self.agent.commits.when_ended(step_key, reply):
+            reply(False)
+        sent.wait()
+        if failed:
+            raise failed[0]
 
     def _write(self, msg: dict[str, Any], job: SaveJob, seg: Segment, key: JobKey,
                early: Outgoing | None) -> dict[str, Any] | str:
