@@ -334,6 +334,7 @@ def test_a_write_below_existing_directories_opens_them_in_one_call(tmp_path, mon
     """With openat2(2): the root, then the directories below it in one call that follows no
     link (not one open per component: on a shared filesystem each is a metadata operation)."""
     import ckptd.storage.local as local
+    import ckptd.storage.local_dirs as local_dirs
 
     s = LocalStorage(str(tmp_path / "root"))
     s.write_file("step-000000001/data/a/r0-0.bin", [b"first"])  # makes the directories
@@ -349,8 +350,9 @@ def test_a_write_below_existing_directories_opens_them_in_one_call(tmp_path, mon
         beneath.append(path)
         return posix.open_beneath(dir_fd, path, *args)
 
-    monkeypatch.setattr(local, "open_at", counted)
-    monkeypatch.setattr(local, "open_beneath", counted_beneath)
+    monkeypatch.setattr(local, "open_at", counted)  # the file
+    monkeypatch.setattr(local_dirs, "open_at", counted)  # the walk
+    monkeypatch.setattr(local_dirs, "open_beneath", counted_beneath)
     s.write_file("step-000000001/data/a/r0-1.bin", [b"second"])
     assert walked == ["r0-1.bin"] and beneath == ["step-000000001/data/a"], (walked, beneath)
     with open(tmp_path / "root" / "step-000000001" / "data" / "a" / "r0-1.bin", "rb") as f:

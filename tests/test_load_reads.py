@@ -14,6 +14,7 @@ import torch
 
 import ckptd
 import ckptd.storage.local as local
+import ckptd.storage.local_dirs as local_dirs
 from ckptd.manifest import layout
 from ckptd.storage.local import LocalStorage
 
@@ -93,10 +94,9 @@ class _CountedSession:
 def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every open a LocalStorage makes (files and the directories of its walks), by name."""
     opened: list[str] = []
-    for name in ("open_at", "open_beneath"):
-        real = getattr(local, name, None)
-        if real is None:
-            continue
+    for module, name in ((local, "open_at"), (local_dirs, "open_at"),
+                         (local_dirs, "open_beneath")):
+        real = getattr(module, name)
 
         def counted(path, *a, _real=real, **k):  # type: ignore[no-untyped-def]
             fd = _real(path, *a, **k)
@@ -104,7 +104,7 @@ def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
                 opened.append(path)
             return fd
 
-        monkeypatch.setattr(local, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return opened
 
 

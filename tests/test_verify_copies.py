@@ -24,14 +24,15 @@ class Counting(LocalStorage):
     read = 0
 
     def open_read(self, paths: Sequence[str]) -> LocalReadSession:
-        storage = self
+        session = super().open_read(paths)
+        read_into = session.read_into
 
-        class Session(LocalReadSession):
-            def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-                storage.read += len(buf)
-                super().read_into(path, offset, buf)
+        def counted(path: str, offset: int, buf: memoryview) -> None:
+            self.read += len(buf)
+            read_into(path, offset, buf)
 
-        return Session(self, paths)
+        session.read_into = counted  # type: ignore[method-assign]
+        return session
 
 
 def _save(root: str, bad_rank: int | None = None) -> int:

@@ -15,8 +15,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ckptd.buffers import Buffer
 from ckptd.errors import StorageError
+from ckptd.storage import local_dirs
 from ckptd.storage.base import Gate, Probe, Storage, blocks
-from ckptd.storage.posix import open_at, open_beneath, pread_all, rmtree_at, storage_error
+from ckptd.storage.local_read import LocalReadSession
+from ckptd.storage.posix import open_at, pread_all, rmtree_at, storage_error
 from ckptd.storage.watch import Watch, watching
 
 log = logging.getLogger("ckptd")
@@ -25,7 +27,6 @@ log = logging.getLogger("ckptd")
 # directory, a few more), a catalog scan the step directories; more are closed oldest first
 READ_DIRS = 64
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _DIRECT_OK = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 4 << 20  # smaller files are not worth bypassing the cache
@@ -81,9 +82,9 @@ class LocalStorage(Storage):
         self._dirs: dict[tuple[str, ...], int] | None = None
         self._dirs_lock = threading.Lock()
         self._unsynced = threading.local()  # inside put_visible(): put_atomic without fsyncs
-        # the directories reads have walked, kept open (see _read_dir_fd), closed by close()
+        # the directories reads have walked, kept open (local_dirs.ReadDirs), closed by close()
         # or when the storage is collected
-        self._read_dirs = _DirCache(READ_DIRS)
+        self._read_dirs = local_dirs.ReadDirs(self.root, READ_DIRS)
         weakref.finalize(self, self._read_dirs.clear)
 
     @contextlib.contextmanager
@@ -142,108 +143,9 @@ class LocalStorage(Storage):
         return fd
 
     def _walk(self, parts: list[str], create: bool) -> int:
-        # Every write walks. The common case (the root and the directories exist): the root,
-        # then the rest in one openat2 that follows no link and stays below the root. As safe
-        # as the walk below — each call resolves the whole path again, so a directory replaced
-        # by a link since the last call is refused — in three system calls instead of two per
-        # component. Anything else (a directory to make, a link, no openat2 here) takes the
-        # walk, which makes the directories and names the problem.
-        if parts:
-            fd = self._walk_beneath(parts)
-            if fd is not None:
-                return fd
-        try:
-            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
-        except FileNotFoundError:
-            if not create:
-                raise
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as e:
-                raise storage_error(e, self.root) from e
-            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
-        where = self.root
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-        try:
-            for name in parts:
-                where = os.path.join(where, name)
-                try:
-                    nxt = open_at(name, flags, fd, where, False)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    try:
-                        os.mkdir(name, 0o755, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    except OSError as e:
-                        raise storage_error(e, where) from e
-                    nxt = open_at(name, flags, fd, where, False)
-                os.close(fd)
-                fd = nxt
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _walk_beneath(self, parts: list[str]) -> int | None:
-        """``root/parts`` opened in one ``openat2`` below a fresh descriptor of the root; None
-        when it cannot (missing, a link, no ``openat2``): the caller walks."""
-        try:
-            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            return open_beneath(root, "/".join(parts), _DIR_FLAGS, self.root)
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(root)
-
-    def _read_dir_fd(self, parts: list[str]) -> int:
-        """A descriptor of the directory ``root/parts`` for a read (the caller closes it), from
-        the directories reads have walked so far: each is opened once (``O_NOFOLLOW``, from
-        its parent's descriptor), not once per file (a load opens hundreds of files in a few
-        directories; on a shared filesystem every open is a metadata operation)."""
-        key = tuple(parts)
-        fd = self._read_dirs.dup(key)
-        if fd is not None:
-            return fd
-        if not parts:
-            fd = open_at(self.root, os.O_RDONLY | os.O_DIRECTORY, None, self.root, root=True)
-        else:
-            parent = self._read_dir_fd(parts[:-1])
-            try:
-                fd = open_at(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, parent,
-                             os.path.join(self.root, *parts), False)
-            finally:
-                os.close(parent)
-        self._read_dirs.keep(key, fd)
-        return fd
-
-    def _open_read(self, parts: list[str], flags: int, path: str) -> int:
-        """Open a file for reading from the root's descriptor, kept open: in one ``openat2``
-        where the system has it (no link followed, nothing outside the root), else from its
-        directory's kept descriptor. :class:`_Removed` when a kept directory was removed."""
-        where = self._abs(path)
-        dfd = -1
-        try:
-            dfd = self._read_dir_fd([])
-            fd = open_beneath(dfd, "/".join(parts), flags, where)
-            if fd is not None:
-                return fd
-            if len(parts) > 1:
-                os.close(dfd)
-                dfd = -1
-                dfd = self._read_dir_fd(parts[:-1])
-            return open_at(parts[-1], flags, dfd, where, check_regular=True)
-        except FileNotFoundError as e:
-            if dfd < 0 or os.fstat(dfd).st_nlink == 0:  # a directory missing, or removed
-                raise _Removed from None  # since it was kept: the walk says which
-            raise FileNotFoundError(errno.ENOENT, "no such file", where) from e
-        finally:
-            if dfd >= 0:
-                os.close(dfd)
+        """A descriptor of ``root/parts``, walked without following links
+        (:func:`ckptd.storage.local_dirs.walk`)."""
+        return local_dirs.walk(self.root, parts, create)
 
     def close(self) -> None:
         """Close the directories kept open for reads (the storage stays usable: they are
@@ -257,8 +159,8 @@ class LocalStorage(Storage):
         flags |= os.O_NOFOLLOW | os.O_NONBLOCK
         if not create_dirs and not flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             try:
-                return self._open_read(parts, flags, path)
-            except _Removed:  # a kept directory was removed (and maybe made again) since
+                return self._read_dirs.open_file(parts, flags, self._abs(path))
+            except local_dirs.Removed:  # a kept directory was removed (and maybe made again)
                 self._read_dirs.clear()
         try:
             dfd = self._dir_fd(parts[:-1], create_dirs)
@@ -450,7 +352,7 @@ class LocalStorage(Storage):
         """Open ``paths`` once for a load: sizes known up front, reads with ``preadv`` into the
         caller's buffers, and the files stay readable until ``close`` even if retention
         removes them meanwhile (an unlinked file lives on while it is open)."""
-        return LocalReadSession(self, paths)
+        return LocalReadSession(lambda p: self._open_file(p, os.O_RDONLY), self._abs, paths)
 
     def size(self, path: str) -> int:
         fd = self._open_file(path, os.O_RDONLY)
@@ -520,81 +422,3 @@ class LocalStorage(Storage):
             raise storage_error(e, self._abs(path)) from e
         finally:
             os.close(dfd)
-
-
-class _Removed(Exception):
-    """A directory kept open for reads was removed since."""
-
-
-class _DirCache:
-    """Directory descriptors by path, at most ``limit`` (the oldest closed first); thread-safe.
-    Callers get a duplicate (``os.dup``: no filesystem operation) and close it themselves, so
-    one closed here meanwhile does not pull the directory from under them."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._fds: dict[tuple[str, ...], int] = {}
-        self._lock = threading.Lock()
-
-    def dup(self, key: tuple[str, ...]) -> int | None:
-        with self._lock:
-            fd = self._fds.get(key)
-            return None if fd is None else os.dup(fd)
-
-    def keep(self, key: tuple[str, ...], fd: int) -> None:
-        """Keep a duplicate of ``fd`` (the caller keeps ``fd``)."""
-        with self._lock:
-            if key in self._fds:
-                return
-            self._fds[key] = os.dup(fd)
-            while len(self._fds) > self.limit:
-                os.close(self._fds.pop(next(iter(self._fds))))
-
-    def clear(self) -> None:
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-
-class LocalReadSession:
-    """Files of one load, opened once (see :meth:`LocalStorage.open_read`)."""
-
-    fills_buffers = True  # reads go straight into the caller's memory
-    resident = False
-
-    def __init__(self, storage: LocalStorage, paths: Sequence[str]) -> None:
-        self.storage = storage
-        self._fds: dict[str, int] = {}
-        self.sizes: dict[str, int] = {}
-        try:
-            for p in dict.fromkeys(paths):
-                fd = storage._open_file(p, os.O_RDONLY)
-                self._fds[p] = fd
-                self.sizes[p] = os.fstat(fd).st_size
-        except BaseException:
-            self.close()
-            raise
-
-    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-        fd = self._fds.get(path)
-        if fd is None:  # not opened up front: open it now
-            fd = self.storage._open_file(path, os.O_RDONLY)
-            self._fds[path] = fd
-        pread_all(fd, buf, offset, self.storage._abs(path))
-
-    def read(self, path: str, offset: int, length: int) -> bytearray:
-        out = bytearray(length)
-        self.read_into(path, offset, memoryview(out))
-        return out
-
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def __enter__(self) -> LocalReadSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
