@@ -20,7 +20,7 @@ from ckptd.agent.client import AgentClient, AgentLost
 from ckptd.errors import CkptdError
 from ckptd.manifest import layout
 from ckptd.storage import Storage
-from ckptd.writer import commit, exiting
+from ckptd.writer import exiting, failures
 from ckptd.writer.executor import InProcess, Outcome, Pending
 from ckptd.writer.files import ChunkList
 from ckptd.writer.group_store import GroupStore
@@ -112,7 +112,7 @@ class AgentExecutor:
             raise
         except BaseException as e:  # the agent's failure: it recorded it (and cleaned up)
             _give_back(pending)
-            commit.publish_recorded(self.storage, self.signals, share.step, share.attempt,
+            failures.publish_recorded(self.storage, self.signals, share.step, share.attempt,
                                     share.rank, e)
             raise
         if not reply.get("kept"):  # (kept: the step stays in it; it says when it lets go)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from ckptd.errors import CkptdError
 from ckptd.policies import Retention
 from ckptd.storage import Storage
-from ckptd.writer import commit, retention
+from ckptd.writer import commit, failures, retention
 from ckptd.writer.files import ChunkList, Framing, gather
 from ckptd.writer.group_store import GroupStore
 from ckptd.writer.partial_groups import Groups
@@ -125,7 +125,7 @@ def run(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, *,
                               overwrite=job.commit.overwrite, signals=signals, give_up=give_up,
                               timeout_s=job.commit.timeout_s)
         except BaseException:
-            if commit.attempt_failed(storage, share.step, share.attempt, signals):
+            if failures.attempt_failed(storage, share.step, share.attempt, signals):
                 discard(storage, job, partial=True)  # never committable
             raise
         write_s = time.perf_counter() - t0
@@ -166,7 +166,7 @@ def _write(job: SaveJob, storage: Storage, io: Executor, arena: torch.Tensor, si
         raise Interrupted(str(e), done) from None
     except BaseException as e:
         # this rank's share failed: tell the others, or they wait for the commit timeout
-        commit.record_failure(storage, signals, share.step, share.attempt, share.rank, e)
+        failures.record_failure(storage, signals, share.step, share.attempt, share.rank, e)
         discard(storage, job)
         raise
     return chunks

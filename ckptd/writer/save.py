@@ -39,7 +39,7 @@ from ckptd.manifest import values as typed
 from ckptd.policies import KeepLast, Retention
 from ckptd.sharding import Described
 from ckptd.storage import Storage
-from ckptd.writer import commit, exiting
+from ckptd.writer import commit, exiting, failures
 from ckptd.writer.autocodec import AutoCodec
 from ckptd.writer.executor import Executor, InProcess, Pending
 from ckptd.writer.files import Framing
@@ -320,7 +320,7 @@ class Saver:
             # best effort, after the error is delivered (an unreachable store retries every
             # request); this thread still finishes it before the next save
             if not taken:  # it failed before the executor took it: tell the others
-                commit.record_failure(self.storage, self.signals, share.step, share.attempt,
+                failures.record_failure(self.storage, self.signals, share.step, share.attempt,
                                       opts.rank, e)
                 discard(self.storage, save.job)
 
@@ -334,7 +334,7 @@ class Saver:
         except exiting.Abandoned:
             raise
         except BaseException:
-            if commit.attempt_failed(self.storage, share.step, share.attempt, self.signals):
+            if failures.attempt_failed(self.storage, share.step, share.attempt, self.signals):
                 discard(self.storage, save.job, partial=True)
             raise
         self.executor.saw_commit(share.rank, share.step)
