@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--io", choices=["doc", "lightning-async"], default="doc")
     args = ap.parse_args()
     workdir = Path(args.workdir)
+    # the records below go here too: made now, not by the checkpoint's first write (with Lightning's
+    # async wrapper and the node agent that write may come after the record at epoch 2's start)
+    workdir.mkdir(parents=True, exist_ok=True)
 
     class Net(L.LightningModule):
         def __init__(self) -> None:
