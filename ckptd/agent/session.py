@@ -320,8 +320,8 @@ class Session:
         (:mod:`ckptd.agent.commits`), else at once, not committed. The reply is sent by the
         thread that ends rank 0's job, right after the commit, for every rank waiting: one
         thread replying to the node's ranks in turn, where each rank's own thread woke and
-        waited for the GIL (at eight ranks, ~2 ms more from the commit to the last reply).
-        This job's thread waits for it, then ends the job as before."""
+        waited for the GIL, and the last reply came later. This job's thread waits for it,
+        then ends the job as before."""
         sent = threading.Event()
         failed: list[BaseException] = []
 
