@@ -15,8 +15,11 @@ The CPU column is each rank's ``time.process_time()`` over the same window (its 
 saves: rank 0, and the median of the other ranks); the last line also sums it over the ranks:
 W processes on fewer cores make the save CPU-bound, so this is the figure that noise from
 other work on the machine affects least.
-``--runs`` alternates floor and saves that many times; the last table gives the medians of the
-runs' medians.
+``--runs`` alternates floor and saves that many times; the last line gives the medians of the
+runs' medians, and as the ratio the median of the runs' own ratios (each run's saves against
+the floor measured just before them, on a host in the same state), then the ratio of the two
+medians. Each run starts with a host probe: the time of a fixed pure-Python loop, which moves
+by a fifth within minutes on a shared virtual machine.
 
 The cost of waiting (``--wait-s``, 10 s; 0 skips it): in one process, rank 1 of a 2-rank job
 saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds later (the main
@@ -124,6 +127,20 @@ def _save_rank(rank: int, world: int, root: str, saves: int,
     if agent:
         return out[WARMUP:], math.nan, own + (agent_s if rank == 0 else 0.0)
     return out[WARMUP:], Counted.syncs / saves, own
+
+
+def _host_probe() -> float:
+    """Seconds of a fixed pure-Python loop (the least of 5): how fast this host's CPU runs
+    just now. On a shared virtual machine it moves by a fifth within minutes, and every figure
+    here with it; two runs with different probes were not on the same machine."""
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(200_000):
+            x += i
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _write(d: str, name: str, data: bytes, *, sync: bool) -> None:
@@ -405,12 +422,15 @@ def main(argv: list[str] | None = None) -> None:
               + ")\n")
     medians: dict[str, list[float]] = {"save": [], "floor": []}
     cpus: dict[str, list[float]] = {"save": [], "floor": []}
+    probes: list[float] = []
     for run in range(args.runs):
+        probes.append(_host_probe())
         with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:
             floor = multirank.run(_floor_rank, args.world, root, args.saves, timeout=600)
             saves = multirank.run(_save_rank, args.world, os.path.join(root, "ckpt"),
                                   args.saves, args.agent, timeout=600)
-        print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves\n")
+        print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves; "
+              f"host probe {probes[-1] * 1e3:.1f} ms\n")
         print("| | median | p90 | fsyncs per save, rank 0 / others | CPU per save, rank 0 / "
               "others |\n|---|---:|---:|---:|---:|")
         print(row(f"ckptd{' (node agent)' if args.agent else ''}: save_async → every "
@@ -424,12 +444,13 @@ def main(argv: list[str] | None = None) -> None:
         medians["floor"].append(statistics.median(floor[0][0]))
         print(f"\nratio (median): {medians['save'][-1] / medians['floor'][-1]:.2f}× floor\n")
     save, floor_ = (statistics.median(medians[k]) for k in ("save", "floor"))
+    ratios = [s / f for s, f in zip(medians["save"], medians["floor"], strict=True)]
     print(f"medians of {args.runs} runs: save {save * 1e3:.1f} ms, floor {floor_ * 1e3:.1f} ms, "
-          f"ratio {save / floor_:.2f}× (per run: "
-          + ", ".join(f"{s / f:.2f}" for s, f in zip(medians['save'], medians['floor'],
-                                                    strict=True)) + "); CPU per save, all "
-          f"ranks: save {statistics.median(cpus['save']) * 1e3:.1f} ms, floor "
-          f"{statistics.median(cpus['floor']) * 1e3:.1f} ms")
+          f"ratio {statistics.median(ratios):.2f}× (the runs' own ratios: "
+          + ", ".join(f"{r:.2f}" for r in ratios) + f"; ratio of the medians {save / floor_:.2f}×)"
+          f"; CPU per save, all ranks: save {statistics.median(cpus['save']) * 1e3:.1f} ms, "
+          f"floor {statistics.median(cpus['floor']) * 1e3:.1f} ms; host probe "
+          + ", ".join(f"{p * 1e3:.1f}" for p in probes) + " ms")
     if args.agent:  # the agent outlives the runs (it exits after 600 idle s): stop it now
         from ckptd.cli import main as cli
 
