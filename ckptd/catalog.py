@@ -31,7 +31,8 @@ from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.manifest import layout
 from ckptd.manifest.envelope import check_manifest_size
 from ckptd.manifest.frames import HEADER, MAGIC, FrameRef, FrameTable, parse_slice
-from ckptd.manifest.parse import PREFIX_BYTES, Head, Lead, decode, head, lead, parts
+from ckptd.manifest.lead import PREFIX_BYTES, Lead, lead, parts
+from ckptd.manifest.parse import Head, decode, head
 from ckptd.storage import Storage, open_storage
 from ckptd.storage.base import ReadSession
 

@@ -18,7 +18,8 @@ from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import layout as L
 from ckptd.manifest import schema
 from ckptd.manifest.envelope import VERSION
-from ckptd.manifest.parse import PREFIX_BYTES, decode, head, lead
+from ckptd.manifest.lead import PREFIX_BYTES, lead
+from ckptd.manifest.parse import decode, head
 from ckptd.storage.local import LocalStorage
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")

@@ -130,7 +130,7 @@ def open_doc(raw: bytes, where: str) -> dict[str, Any]:
 
 # The lead (``docs/format.md``): a committed manifest's first keys, through
 # ``"lead":"xxh3_64:<16 hex>"``, sealed on their own so that a reader of the first bytes alone
-# (``ckptd.manifest.parse.lead``) can trust the step, attempt and generation they name.
+# (``ckptd.manifest.lead``) can trust the step, attempt and generation they name.
 LEAD_MARK = b',"lead":"xxh3_64:'
 
 

@@ -8,8 +8,11 @@
 - :func:`head`: what listings show (:class:`Head`: step, attempt, generation, world size, time,
   tensors' dtypes and shapes, bytes, training metadata), from the head alone, with the same
   checks; the digest of the whole file is checked, no chunk is decoded.
-- :func:`lead`: which step, attempt and generation a committed manifest names, from its first
-  :data:`PREFIX_BYTES` alone (``docs/format.md``, *The lead*).
+- :func:`ckptd.manifest.lead.lead`: which step, attempt and generation a committed manifest
+  names, from its first bytes alone (``docs/format.md``, *The lead*).
+
+The fields of a tensor and of its chunks (formats 1 to 4) are checked by
+:mod:`ckptd.manifest.chunk_fields`, format 5's chunk rows by :mod:`ckptd.manifest.rows`.
 
 :func:`decode` also takes the head alone of a committed manifest of format 5, with a function
 that reads the file's byte ranges: its entries are then read, and checked, as they are used
@@ -19,30 +22,26 @@ that reads the file's byte ranges: its entries are then read, and checked, as th
 from __future__ import annotations
 
 import functools
-import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
-from ckptd.manifest import codecs, rows
+from ckptd.manifest import rows
 from ckptd.manifest import values as typed
-from ckptd.manifest.entries import Parts, RangedTail, RangeRead, Tail, WholeTail, check_head
+from ckptd.manifest.chunk_fields import chunks, declared, inline_tensor
+from ckptd.manifest.entries import RangedTail, RangeRead, Tail, WholeTail, check_head
 from ckptd.manifest.envelope import (
-    MAX_INT,
     TENSORS_KEY,
-    check_version,
-    lead_digest,
     parse_json,
     split_doc,
 )
 from ckptd.manifest.fields import integer as _int
-from ckptd.manifest.fields import integers as _ints
 from ckptd.manifest.fields import plain_name as _name
 from ckptd.manifest.fields import safe_relpath as _safe_relpath
-from ckptd.manifest.frames import FrameRef, FrameTable, TableSource
+from ckptd.manifest.frames import TableSource
+from ckptd.manifest.lead import PREFIX_BYTES, parts
 from ckptd.manifest.schema import (
     LOCAL_PREFIX,
     PARTIAL_VERSION,
@@ -50,7 +49,6 @@ from ckptd.manifest.schema import (
     Manifest,
     ReplicaSet,
     TensorEntry,
-    checked_dtype_name,
 )
 from ckptd.regions import Box
 
@@ -105,7 +103,7 @@ def decode(raw: bytes, where: str, frames: TableSource | None = None, *,
     with _Fields(where):
         decoded: set[str] = set()
         if tail is None:
-            tensors = {name: _tensor(name, t, where)
+            tensors = {name: inline_tensor(name, t, where)
                        for name, t in _object(doc["tensors"], "tensors").items()}
         elif _indexless(doc):
             tensors = _whole_partial(raw, tail.at, doc, where)
@@ -187,79 +185,17 @@ def head(raw: bytes, where: str) -> Head:
     with _Fields(where):
         if tail_at is None:
             entries = _object(doc["tensors"], "tensors")
-            tensors = {n: _declared(n, t["dtype"], t["shape"], where)[:2]
+            tensors = {n: declared(n, t["dtype"], t["shape"], where)[:2]
                        for n, t in entries.items()}
             nbytes = sum(_int(c["length"]) for t in entries.values() for c in t["chunks"])
         else:
-            tensors = {n: _declared(n, e[0], e[1], where)[:2]
+            tensors = {n: declared(n, e[0], e[1], where)[:2]
                        for n, e in _index_entries(doc).items()}
             nbytes = _int(doc["nbytes"])
         return Head(step=_int(doc["step"]), attempt=_name(doc["attempt"]),
                     generation=_int(doc.get("generation", 0)),
                     world_size=_int(doc["world_size"], lo=1), created=float(doc["created"]),
                     tensors=tensors, nbytes=nbytes, training=dict(doc.get("training", {})))
-
-
-# What a reader of the lead fetches: the lead's fixed part is at most ~230 bytes, leaving room for
-# an attempt id of ~280 (one that names files is at most 255: a file name's limit)
-PREFIX_BYTES = 512
-
-# A committed manifest's lead as the writer makes it (schema.LEAD_KEYS); one of format 3 written
-# before the lead seal stops after the attempt. Integers are bounded by their digits, the
-# attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
-_LEAD = re.compile(
-    rb'\{"digest":"xxh3_64:[0-9a-f]{16}","tail":"(?P<tail>[0-9a-f]{16})"'
-    rb'(?:,"head":"(?P<head>[0-9a-f]{16})")?,"format":"ckptd",'
-    rb'"version":(?P<version>\d{1,9}),"checksum":"xxh3_64","step":(?P<step>\d{1,19}),'
-    rb'"attempt":(?P<attempt>"(?:[^"\\]|\\.)*")'
-    rb'(?:,"generation":(?P<generation>\d{1,19}),"lead":"xxh3_64:(?P<seal>[0-9a-f]{16})")?')
-
-
-@dataclass(frozen=True)
-class Lead:
-    """What a committed manifest's first bytes name. ``generation`` is None where they have no
-    lead seal (format 3 written before it): step and attempt unchecked, read the head to check."""
-
-    step: int
-    attempt: str
-    generation: int | None
-
-
-def lead(prefix: bytes, where: str) -> Lead | None:
-    """The :class:`Lead` in the first :data:`PREFIX_BYTES` of a manifest, or None when they do
-    not have the writer's form (formats 1 and 2, a foreign or damaged file, an attempt id too
-    long for the prefix): then read the head. A sealed lead whose seal does not match its bytes
-    is a :class:`CorruptCheckpoint` naming ``where``; so is a version newer than this reader's.
-    The rest of the file is not checked here: a reader of the head or of the tensors checks
-    the file's digest."""
-    m = _LEAD.match(prefix)
-    if m is None:
-        return None
-    if m["seal"] is not None and m["seal"].decode() != lead_digest(prefix, m.end()):
-        raise CorruptCheckpoint(f"{where}: the manifest's lead does not match its seal "
-                                "(damaged or edited)")
-    check_version(int(m["version"]), where)
-    try:
-        attempt = _name(json.loads(m["attempt"]))
-        step = _int(int(m["step"]))
-        generation = None if m["generation"] is None else _int(int(m["generation"]))
-    except ValueError:
-        return None  # sealed by no writer of ckptd: the head says what is wrong
-    return Lead(step, attempt, generation)
-
-
-def parts(prefix: bytes, where: str) -> Parts | None:
-    """Where a committed manifest of format 5 splits into head and tail, from the sealed lead
-    in its first bytes (:func:`lead` checks it); None for any other manifest, which is read
-    whole."""
-    found = lead(prefix, where)
-    m = _LEAD.match(prefix)
-    if found is None or found.generation is None or m is None or m["head"] is None:
-        return None
-    head, tail = int(m["head"], 16), int(m["tail"], 16)
-    if not (m.end() < head <= MAX_INT and tail <= MAX_INT):
-        raise CorruptCheckpoint(f"{where}: the head length {head} does not fit the manifest")
-    return Parts(head, tail, m.end())
 
 
 def _object(v: Any, what: str) -> dict[str, Any]:
@@ -332,7 +268,7 @@ def _whole_partial(raw: bytes, tail_at: int, doc: dict[str, Any], where: str,
             shown = repr(entry) if len(repr(entry)) <= 200 else repr(entry)[:200] + "..."
             raise CorruptCheckpoint(f"{where}: {name}: a tensor is [dtype, shape, chunks], got "
                                     f"{shown}")
-        dtype, shape, itemsize = _declared(name, entry[0], entry[1], where)
+        dtype, shape, itemsize = declared(name, entry[0], entry[1], where)
         out[name] = TensorEntry(dtype, shape, rows.decode(name, entry[2], Box.whole(shape),
                                                           itemsize, where, refs))
     return out
@@ -345,7 +281,7 @@ def _index(tail: Tail, doc: dict[str, Any], where: str, decoded: set[str],
     end, spans = tail.end, tail.spans
     out = {}
     for name, item in _index_entries(doc).items():
-        dtype, shape, itemsize = _declared(name, item[0], item[1], where)
+        dtype, shape, itemsize = declared(name, item[0], item[1], where)
         start, length = tail.at + _int(item[2]), _int(item[3])
         if start + length > end:
             raise CorruptCheckpoint(f"{where}: {name}: index points past the manifest's end")
@@ -371,7 +307,7 @@ def _parsed(raw: bytes, tail_at: int, index: dict[str, TensorEntry],
         items = body[name].get("chunks") if isinstance(body[name], dict) else None
         if not isinstance(items, list):
             raise CorruptCheckpoint(f"{where}: {name}: no list of chunks")
-        out[name] = TensorEntry(e.dtype_name, e.shape, _chunks(
+        out[name] = TensorEntry(e.dtype_name, e.shape, chunks(
             name, items, Box.whole(e.shape), dtypes.ITEMSIZE[e.dtype_name], where, tables))
     return out
 
@@ -384,7 +320,7 @@ def _lazy_chunks(tail: Tail, start: int, length: int, digest: str | None, name: 
     items = doc.get("chunks") if isinstance(doc, dict) else None
     if not isinstance(items, list):
         raise CorruptCheckpoint(f"{where}: {name}: the index does not point at its chunks")
-    return _chunks(name, items, Box.whole(shape), itemsize, where, tables)
+    return chunks(name, items, Box.whole(shape), itemsize, where, tables)
 
 
 def _held(names: Any, key: str = "holds") -> list[str]:
@@ -416,108 +352,3 @@ def _replicated(doc: dict[str, Any], tensors: dict[str, TensorEntry]) -> tuple[R
         out.append(ReplicaSet(_int(replicas, lo=2), _int(count, lo=max(len(wrote), 1)), digest,
                               tuple(wrote)))
     return tuple(out)
-
-
-def _declared(name: str, dtype_s: Any, shape_l: Any, where: str,
-              ) -> tuple[str, tuple[int, ...], int]:
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise CorruptCheckpoint(f"{where}: tensor name {name!r} is not valid")
-    if not isinstance(shape_l, list):
-        raise ValueError(f"{name}: shape {shape_l!r} is not a list")
-    dtype = checked_dtype_name(dtype_s, f"{where}: {name}")
-    shape = _ints(shape_l)
-    itemsize = dtypes.ITEMSIZE[dtype]
-    if math.prod(shape) * itemsize > MAX_INT:
-        raise CorruptCheckpoint(f"{where}: {name}: shape {list(shape)} is impossibly large")
-    return dtype, shape, itemsize
-
-
-def _tensor(name: str, t: dict[str, Any], where: str) -> TensorEntry:
-    """Formats 1 and 2: a tensor with its chunks and their frames inline."""
-    dtype, shape, itemsize = _declared(name, t["dtype"], t["shape"], where)
-    return TensorEntry(dtype, shape, _chunks(name, t["chunks"], Box.whole(shape), itemsize,
-                                             where, None))
-
-
-def _chunks(name: str, items: list[Any], whole: Box, itemsize: int, where: str,
-            tables: list[str] | rows.Lists | None) -> tuple[Chunk, ...]:
-    if isinstance(tables, rows.Lists):  # version 5
-        return rows.decode(name, items, whole, itemsize, where, tables)
-    chunks = []
-    for c in items:
-        try:
-            chunks.append(_chunk(c, whole, itemsize, tables))
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise CorruptCheckpoint(
-                f"{where}: {name}: malformed chunk ({type(e).__name__}: {e})"
-            ) from e
-    for file in {ch.file for ch in chunks}:  # chunks of a tensor share few files
-        _safe_relpath(file, where, name)
-    return tuple(chunks)
-
-
-def _chunk(c: dict[str, Any], whole: Box, itemsize: int, tables: list[str] | None) -> Chunk:
-    """One chunk. Inline frames (formats 1, 2) are validated completely here; a reference to a
-    frame table (format 3) is checked for its count here and for its sizes when it is read
-    (:meth:`Manifest.with_frames`). A reader may then trust that the frames tile the chunk (raw
-    frames have exactly their raw length) and stay inside 2^62 bytes."""
-    raw_box = c["box"]
-    if not (isinstance(raw_box, list) and len(raw_box) == 2):
-        raise ValueError(f"a box is [offsets, sizes], got {raw_box!r}")
-    offsets, sizes = _ints(raw_box[0]), _ints(raw_box[1])
-    ends = tuple(map(int.__add__, offsets, sizes))
-    if not (len(offsets) == len(sizes) == whole.ndim
-            and all(map(int.__le__, ends, whole.sizes))):
-        raise ValueError(f"box {raw_box} outside shape {list(whole.sizes)}")
-    box = Box._of(offsets, sizes, ends)  # checked just above
-    length = _int(c["length"])
-    if length != box.numel * itemsize:
-        raise ValueError(f"a chunk of {box.numel} elements claims {length} bytes")
-    codec = c["codec"]
-    if codec not in codecs.CODECS:
-        raise ValueError(f"unknown codec {codec!r}")
-    frame_bytes = _int(c["frame_bytes"], lo=1)
-    if frame_bytes % itemsize:
-        raise ValueError(f"frame size {frame_bytes} is not a multiple of the item size")
-    offset = _int(c["offset"])
-    n = -(-length // frame_bytes)
-    table = c["frames"]
-    frames: FrameTable | None = None
-    ref: FrameRef | None = None
-    if tables is not None:
-        if not (isinstance(table, list) and len(table) == 4 and isinstance(table[3], str)
-                and len(table[3]) == 16):
-            raise ValueError(f"frames {table!r} are not [table, first, count, 16-hex digest]")
-        t, first, count = _int(table[0], hi=len(tables) - 1), _int(table[1]), _int(table[2])
-        if count != n:
-            raise ValueError(f"{count} frames for {length} bytes in frames of {frame_bytes}")
-        ref = FrameRef(tables[t], first, count, table[3])
-    else:
-        if not isinstance(table, list) or len(table) != n:
-            raise ValueError(
-                f"{len(table) if isinstance(table, list) else table!r} frames for {length} "
-                f"bytes in frames of {frame_bytes}"
-            )
-        pairs = []
-        for i, f in enumerate(table):
-            if not (isinstance(f, list) and len(f) == 2 and isinstance(f[1], str)
-                    and len(f[1]) == 16):
-                raise ValueError(f"frame {i} is not [stored bytes, 16-hex-digit checksum]: {f!r}")
-            raw_len = min(frame_bytes, length - i * frame_bytes)
-            stored = _int(f[0], lo=1, hi=2 * raw_len + 4096)
-            if codec == codecs.RAW and stored != raw_len:
-                raise ValueError(f"raw frame {i} stores {stored} bytes for {raw_len}")
-            pairs.append((stored, f[1]))
-        frames = FrameTable.from_json(pairs)
-        _int(offset + frames.total)
-    return Chunk(
-        box=box,
-        file=c["file"] if isinstance(c["file"], str) else "",
-        offset=offset,
-        length=length,
-        codec=codec,
-        frame_bytes=frame_bytes,
-        frames=frames,
-        rank=_int(c["rank"]),
-        ref=ref,
-    )

@@ -368,7 +368,7 @@ def _entries(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> tuple[list[b
 
 
 # A committed manifest's first keys, in this order, then their seal: its *lead*, which a reader
-# of the first bytes alone trusts (ckptd.manifest.parse.lead; docs/format.md)
+# of the first bytes alone trusts (ckptd.manifest.lead; docs/format.md)
 LEAD_KEYS = ("format", "version", "checksum", "step", "attempt", "generation")
 
 
