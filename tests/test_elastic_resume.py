@@ -249,7 +249,7 @@ def test_a_save_that_cannot_finish_in_the_grace_left_is_skipped_and_latest_stays
     buf, state = flat_state()
     train(run, buf, 1)
     run.save(state)  # committed step 1, and a measured bandwidth ...
-    run._bandwidth = None  # ... forgotten: the assumed 1 B/s applies
+    run._saves.bandwidth = None  # ... forgotten: the assumed 1 B/s applies
     train(run, buf, 1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert ckptd.preempted()

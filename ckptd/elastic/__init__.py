@@ -39,7 +39,7 @@ _EXPORTS = {
     "render_json": "ckptd.elastic.table",
     "render_markdown": "ckptd.elastic.table",
     "ElasticRun": "ckptd.elastic.run",
-    "exit_now": "ckptd.elastic.run",
+    "exit_now": "ckptd.elastic.incarnation",
     "resume": "ckptd.elastic.incarnation",
 }
 
@@ -91,8 +91,8 @@ if TYPE_CHECKING:
         TrainingMeta,
         scale_up_wait_s,
     )
-    from ckptd.elastic.incarnation import resume
-    from ckptd.elastic.run import ElasticRun, exit_now
+    from ckptd.elastic.incarnation import exit_now, resume
+    from ckptd.elastic.run import ElasticRun
     from ckptd.elastic.search import NoFeasiblePlan, Plan, replan
     from ckptd.elastic.specs import InvalidSpec, ModelSpec, TrainingSpec
     from ckptd.elastic.table import parse_world_range, plan_table, render_json, render_markdown

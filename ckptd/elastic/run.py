@@ -23,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ckptd import checkpointer, stateful
+from ckptd import stateful
 from ckptd.checkpointer import Checkpointer
 from ckptd.data import GlobalBatchSampler, StreamOrder, check_spec, micro_batch_positions
 from ckptd.data.order import Order
@@ -43,12 +41,13 @@ from ckptd.elastic.history import (
     TrainingMeta,
     add_loss,
 )
+from ckptd.elastic.run_saves import RunSaves
 from ckptd.elastic.search import InvalidSpec, TrainingSpec
 from ckptd.loader.load import Strict
 from ckptd.loader.reader import LoadResult
 from ckptd.sharding import describe
 from ckptd.world import dist_or_none, gather_object
-from ckptd.writer.handle import Phase, SaveHandle, SaveResult
+from ckptd.writer.handle import SaveHandle, SaveResult
 
 log = logging.getLogger("ckptd.elastic")
 
@@ -113,11 +112,7 @@ class ElasticRun:
         self._watch = preemption.PreemptionWatch()
         self._events = events
         self._on_sigterm_user = on_sigterm
-        self._saves: list[tuple[int, SaveHandle]] = []
-        self._committed_step: int | None = step if resumed else None
-        self._issued_step: int | None = self._committed_step  # newest save asked for
-        self._newest: SaveHandle | None = None
-        self._bandwidth: float | None = None  # bytes/s of this rank's last committed save
+        self._saves = RunSaves(step if resumed else None)
         self._first_step_pending = True
 
     # ------------------------------------------------------------------ what to train
@@ -330,11 +325,10 @@ class ElasticRun:
         Returns:
             The :class:`~ckptd.SaveHandle`.
         """
-        self._observe()
+        self._saves.observe()
         handle = self.ckpt.save_async(state, step=self.step, overlap=overlap,
                                       training=self.metadata())
-        self._saves.append((self.step, handle))
-        self._issued_step, self._newest = self.step, handle
+        self._saves.issued(self.step, handle)
         self._events.emit("save", step=self.step, stall_s=handle.stall_s, overlap=overlap)
         return handle
 
@@ -348,7 +342,7 @@ class ElasticRun:
             The :class:`~ckptd.SaveResult`.
         """
         result = self.save_async(state).result()
-        self._observe()
+        self._saves.observe()
         return result
 
     def finish(self, state: Any) -> int:
@@ -360,10 +354,10 @@ class ElasticRun:
         Returns:
             0, the exit code of a finished run.
         """
-        if self._issued_step != self.step:
+        if self._saves.issued_step != self.step:
             self.save(state)
         self.ckpt.wait()
-        self._observe()
+        self._saves.observe()
         self._events.emit("done", step=self.step, consumed=self.consumed_samples)
         return 0
 
@@ -413,14 +407,14 @@ class ElasticRun:
             self._events.emit("preempt", **dataclasses.asdict(out), grace_s=self._watch.grace_s)
             return out
 
-        drained = self._drain(preemption.remaining_grace_s())
+        drained = self._saves.drain(preemption.remaining_grace_s())
         drain_s = time.monotonic() - t0
-        committed = self._committed_step == self.step
+        committed = self._saves.committed_step == self.step
         nbytes = 0 if committed else sum(
             p.view.numel() * p.view.element_size()
             for p in describe(stateful.unfold(state).tree, self.ckpt.rank,
                               self.ckpt.world_size).pieces if p.is_writer)
-        bandwidth = self._bandwidth or self.meta.policy.assumed_write_bytes_per_s
+        bandwidth = self._saves.bandwidth or self.meta.policy.assumed_write_bytes_per_s
         projection = nbytes / bandwidth if drained else math.inf
         all_committed, projected, blocking = _all_committed(committed, projection,
                                                             drained and self.ckpt.hands_off)
@@ -431,7 +425,7 @@ class ElasticRun:
             what = (f"projected {projected:.1f}s ({nbytes} bytes at {bandwidth / 1e6:.0f} MB/s)"
                     if math.isfinite(projected) else "an in-flight save still writing")
             reason = (f"skipped: {what} exceeds the {left:.1f}s of grace left; step "
-                      f"{self._committed_step} stays latest")
+                      f"{self._saves.committed_step} stays latest")
             log.warning("ckptd: preemption save of step %d %s", self.step, reason)
             return outcome(False, reason, projected_s=projected)
         t1 = time.monotonic()
@@ -442,7 +436,7 @@ class ElasticRun:
             # peer's agent that writes it (its own agent could not in the grace left)
             if sigterm_here() and left is not None and h.wait_safe(max(0.0, left)) and not h.done():
                 via = f"peer {h.handed_to}"
-                self._issued_step = self.step
+                self._saves.issued_step = self.step
                 log.warning("ckptd: preemption save of step %d handed to node %s's agent, "
                             "which commits it", self.step, h.handed_to)
                 return outcome(False, f"handed to node {h.handed_to}'s agent, which commits "
@@ -453,7 +447,7 @@ class ElasticRun:
             log.error("ckptd: preemption save of step %d failed: %s", self.step, e)
             return outcome(False, f"failed: {e}", save_s=time.monotonic() - t1,
                            projected_s=projected)
-        self._committed_step = self._issued_step = self.step
+        self._saves.committed_step = self._saves.issued_step = self.step
         return outcome(True, "committed", save_s=time.monotonic() - t1, projected_s=projected,
                        nbytes=result.nbytes,
                        safe_via=f"peer {result.handed_to}" if result.handed_to else "storage")
@@ -461,37 +455,11 @@ class ElasticRun:
     # ------------------------------------------------------------------ internals
     def _on_sigterm(self) -> None:
         """Runs inside the SIGTERM handler: one line to the events file, the user's callback."""
-        phase = self._newest.phase.value if self._newest is not None else None
+        newest = self._saves.newest
+        phase = newest.phase.value if newest is not None else None
         self._events.emit("sigterm", quiet=True, step=self.step, save_phase=phase)
         if self._on_sigterm_user is not None:
             self._on_sigterm_user()
-
-    def _drain(self, timeout: float | None) -> bool:
-        """Wait for this run's in-flight saves (their errors are logged, and count as
-        reported); False when one is still writing after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        for step, h in self._saves:
-            try:
-                h.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                return False
-            except Exception as e:  # noqa: BLE001 - this save failed; the next may not
-                log.error("ckptd: the in-flight save of step %d failed: %s", step, e)
-        self._observe()
-        return True
-
-    def _observe(self) -> None:
-        """Learn from finished saves: the committed step and this rank's write bandwidth."""
-        pending = []
-        for step, h in self._saves:
-            if not h.done():
-                pending.append((step, h))
-            elif h.phase is Phase.COMMITTED:
-                r = h.result()
-                self._committed_step = max(self._committed_step or step, step)
-                if r.nbytes and r.stall_s + r.write_s > 0:
-                    self._bandwidth = r.nbytes / (r.stall_s + r.write_s)
-        self._saves = pending
 
     def _since_signal(self) -> float | None:
         deadline = preemption.grace_deadline()
@@ -506,35 +474,3 @@ class ElasticRun:
     def _set_entry(self, **changes: Any) -> None:
         history = self.meta.history[:-1] + (dataclasses.replace(self.entry, **changes),)
         self.meta = dataclasses.replace(self.meta, history=history)
-
-
-
-def exit_now(code: int, ckpt: Checkpointer | None = None) -> None:
-    """``os._exit(code)`` after closing ``ckpt`` (default: the process default; waits for
-    in-flight saves, raises a background error). A restart waits for every worker to exit, and
-    tearing down an interpreter that imported torch took 3 s on the demo's loaded 2 cores.
-
-    Args:
-        code: the exit code (``EXIT_RESTART``: have the launcher restart the worker).
-        ckpt: the Checkpointer to close first; None: the process default, if any.
-
-    Raises:
-        CkptdError: closing ``ckpt`` raised a background error (nothing exits then).
-
-    Example:
-        import subprocess
-        import sys
-
-        code = "from ckptd import elastic; elastic.exit_now(elastic.EXIT_RESTART)"
-        assert subprocess.run([sys.executable, "-c", code]).returncode == 75
-    """
-    import sys
-
-    if ckpt is None:
-        ckpt = checkpointer.default_or_none()
-    if ckpt is not None:
-        ckpt.close()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
