@@ -19,7 +19,7 @@ other work on the machine affects least.
 runs' medians, and as the ratio the median of the runs' own ratios (each run's saves against
 the floor measured just before them, on a host in the same state), then the ratio of the two
 medians. Each run starts with a host probe: the time of a fixed pure-Python loop, which moves
-by a fifth within minutes on a shared virtual machine.
+by half or more within minutes on a shared virtual machine.
 
 The cost of waiting (``--wait-s``, 10 s; 0 skips it): in one process, rank 1 of a 2-rank job
 saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds later (the main
@@ -131,8 +131,9 @@ def _save_rank(rank: int, world: int, root: str, saves: int,
 
 def _host_probe() -> float:
     """Seconds of a fixed pure-Python loop (the least of 5): how fast this host's CPU runs
-    just now. On a shared virtual machine it moves by a fifth within minutes, and every figure
-    here with it; two runs with different probes were not on the same machine."""
+    just now. On this project's shared virtual machines it moved by half or more within
+    minutes, and every figure here with it: runs with different probes did not run on the
+    same machine, in effect."""
     best = math.inf
     for _ in range(5):
         t0 = time.perf_counter()

@@ -91,6 +91,9 @@ def test_the_tiny_save_through_the_node_agent_runs_and_stops_its_agent(tmp_path,
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| ckptd (node agent): save_async" in out.stdout, out.stdout
     assert "| in the agent |" in out.stdout, out.stdout
+    # the summary's ratio is the runs' own (each run's saves against its own floor)
+    summary = next(line for line in out.stdout.splitlines() if line.startswith("medians of"))
+    assert "the runs' own ratios" in summary and "host probe" in summary, summary
     assert "stopped" in out.stdout, out.stdout
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
 
