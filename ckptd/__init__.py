@@ -25,8 +25,8 @@ _EXPORTS = {
     "metadata": "ckptd.api",
     "should_save": "ckptd.api",
     "steps": "ckptd.api",
-    "StepMetadata": "ckptd.catalog",
-    "TensorMetadata": "ckptd.catalog",
+    "StepMetadata": "ckptd.step_metadata",
+    "TensorMetadata": "ckptd.step_metadata",
     "SaveEvery": "ckptd.elastic.save_policy",
     "KeepAny": "ckptd.policies",
     "KeepBest": "ckptd.policies",
@@ -123,7 +123,6 @@ if TYPE_CHECKING:
         steps,
         wait,
     )
-    from ckptd.catalog import StepMetadata, TensorMetadata
     from ckptd.checkpointer import Checkpointer
     from ckptd.elastic.preemption import on_preemption, preempted
     from ckptd.elastic.reshard import reshard
@@ -139,4 +138,5 @@ if TYPE_CHECKING:
     from ckptd.loader.reader import LoadResult
     from ckptd.policies import KeepAny, KeepBest, KeepEvery, KeepLast
     from ckptd.sharding import FlatShard, Fused, Local, Shard
+    from ckptd.step_metadata import StepMetadata, TensorMetadata
     from ckptd.writer.handle import Phase, SaveHandle, SaveResult

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ckptd import checkpointer
-from ckptd.catalog import StepMetadata
 from ckptd.checkpointer import Checkpointer, LoadResult
 from ckptd.loader.load import Strict
 from ckptd.policies import Retention, SavePolicy
+from ckptd.step_metadata import StepMetadata
 from ckptd.storage import Storage
 from ckptd.writer.handle import SaveHandle, SaveResult
 

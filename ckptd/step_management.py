@@ -11,6 +11,7 @@ from ckptd import catalog
 from ckptd.errors import CheckpointNotFound, CkptdError
 from ckptd.manifest import Manifest, layout
 from ckptd.policies import Retention, SavePolicy
+from ckptd.step_metadata import StepMetadata, step_metadata
 from ckptd.storage import Storage
 from ckptd.writer.handle import SaveHandle
 from ckptd.writer.retention import remove_step
@@ -98,7 +99,7 @@ class StepManagement:
         """
         return catalog.committed_steps(self.storage)
 
-    def metadata(self, step: int | None = None) -> catalog.StepMetadata:
+    def metadata(self, step: int | None = None) -> StepMetadata:
         """What committed ``step`` (default: the latest) holds — tensors, dtypes, global
         shapes, the world that saved it, its ``training=`` metadata, its size — read from its
         manifest alone, no tensor data.
@@ -127,7 +128,7 @@ class StepManagement:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFound(f"{self.url}: no committed checkpoint")
-        return catalog.step_metadata(self.storage, int(step))
+        return step_metadata(self.storage, int(step))
 
     def delete(self, step: int) -> bool:
         """Remove committed ``step``; True if this call removed it, False if it was not
