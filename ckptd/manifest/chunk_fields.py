@@ -1,9 +1,10 @@
 """The fields of a tensor's entry and of its chunks, checked as they are read: a declared
 dtype and shape (every format), and chunks as formats 1 to 4 write them, one JSON object each
-with its frames inline (1, 2) or a reference into a frame table (3, 4); format 5's chunk rows
-are :mod:`ckptd.manifest.rows`'. Whatever is wrong raises an error naming the tensor; the
-reader (:mod:`ckptd.manifest.parse`) turns it into a :class:`~ckptd.errors.CorruptCheckpoint`
-naming the file.
+with its frames inline (1, 2) or a reference into a frame table (3, 4). Format 5 stores chunks
+as rows (:mod:`ckptd.manifest.rows`). A bad chunk raises a
+:class:`~ckptd.errors.CorruptCheckpoint` naming the file and the tensor; a bad dtype or shape
+raises one, or a ``ValueError`` naming the tensor that the reader
+(:mod:`ckptd.manifest.parse`) turns into one naming the file.
 """
 
 from __future__ import annotations
