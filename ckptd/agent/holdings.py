@@ -30,7 +30,6 @@ copy is being sent), plus the peer copies received.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd.agent import node_memory
 from ckptd.agent.shm import Segment, shm_space, unlink
+from ckptd.agent.wire import root_key
 from ckptd.errors import CkptdError
 
 if TYPE_CHECKING:
@@ -63,9 +63,6 @@ class HeldStep:
     copy: Outgoing | None = None  # its copy to the peers, once sent (before its commit if
     # ``copy.committed`` is False: ``CKPTD_PEER_COPY=staged``)
 
-
-def root_key(spec: dict[str, Any]) -> str:
-    return json.dumps(spec, sort_keys=True)
 
 
 class Holdings:
@@ -356,4 +353,4 @@ class Holdings:
             self._kept.clear()
 
 
-__all__ = ["HeldStep", "Holdings", "OverBudget", "root_key"]
+__all__ = ["HeldStep", "Holdings", "OverBudget"]

@@ -23,7 +23,6 @@ knows no other node, and the job waits as before.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Any
 from ckptd.agent import jobs
 from ckptd.agent.peer_wire import ask
 from ckptd.agent.replication import Replicator
+from ckptd.agent.wire import root_key
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.agent")
@@ -44,9 +44,6 @@ ASK_EVERY_S = 1.0  # a coordinating job's polls are faster: the question goes ou
 ASK_TIMEOUT_S = 5.0  # per peer, connecting and answering
 KEEP_RUNS = 64  # runs remembered per root: their order is what "superseded" means
 
-
-def root_key(spec: dict[str, Any]) -> str:
-    return json.dumps(spec, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -202,4 +199,4 @@ def give_up(replicator: Replicator | None, storage: Storage, local: Shares,
     return check
 
 
-__all__ = ["JobKey", "Shares", "give_up", "nobody_claims", "root_key"]
+__all__ = ["JobKey", "Shares", "give_up", "nobody_claims"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import secrets
@@ -249,7 +248,7 @@ class Agent:
                     write_s: float) -> str | None:
         """Whether this node's state under ``spec`` can be written inside the SIGTERM grace
         window at the bandwidth just measured; the warning, once per root, if not."""
-        root = json.dumps(spec, sort_keys=True)
+        root = wire.root_key(spec)
         with self._lock:
             self._state[(root, rank)] = nbytes
             if write_s > 0:
@@ -358,7 +357,7 @@ class Agent:
     # ------------------------------------------------------------------ shared by sessions
     def storage(self, spec: dict[str, Any]) -> Storage:
         wire.check_root(spec.get("url"))
-        key = json.dumps(spec, sort_keys=True)
+        key = wire.root_key(spec)
         with self._lock:
             if key not in self._storages:
                 self._storages[key] = open_storage(spec["url"], spec.get("options") or None)

@@ -15,8 +15,9 @@ from ckptd import config
 from ckptd.agent import jobs, wire
 from ckptd.agent.core import AgentCore, Flight
 from ckptd.agent.holdings import HeldStep
-from ckptd.agent.orphans import JobKey, root_key
+from ckptd.agent.orphans import JobKey
 from ckptd.agent.shm import Segment
+from ckptd.agent.wire import root_key
 from ckptd.manifest import codecs
 from ckptd.writer import retention
 from ckptd.writer.executor import Inline, writes_inline

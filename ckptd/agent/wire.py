@@ -124,6 +124,12 @@ def check_root(url: Any) -> None:
                          "own working directory, not the trainer's")
 
 
+def root_key(spec: Mapping[str, Any]) -> str:
+    """The key of a root by its storage spec (URL and options) as trainers send it: the spec's
+    canonical JSON, the same for the same spec from any trainer."""
+    return json.dumps(spec, sort_keys=True)
+
+
 # What a save depends on besides its job: the storage's credentials and configuration (boto,
 # s3fs, fsspec, Google and Azure clients, ~/.aws under HOME), the network's proxies and
 # certificates, and ckptd's own settings — but for those only a trainer reads, or that name the
@@ -394,5 +400,5 @@ def recv(sock: socket.socket, limit: int = MAX_MESSAGE,
 __all__ = ["HEARTBEAT_S", "SOCKET_PATH_MAX", "RateLog", "Refused", "SocketPathTooLong",
            "agent_dir", "check_dir", "check_root", "default_dir", "env_key", "environment",
            "error_of", "failure", "identity", "instance", "lock_pid", "nesting", "node_agents",
-           "node_id", "paths", "peer_uid_pid", "recv", "request", "send", "socket_address",
-           "take_lock", "too_long_note"]
+           "node_id", "paths", "peer_uid_pid", "recv", "request", "root_key", "send",
+           "socket_address", "take_lock", "too_long_note"]
