@@ -1,7 +1,7 @@
 """The fixed cost of a save: a tiny state on W gloo ranks (local disk), from the call to every
 rank's ``result()``; that is the commit protocol plus a few small files, nothing else.
 
-    python benchmarks/commit.py [--world 8] [--saves 30] [--runs 3] [--dir DIR]
+    python benchmarks/commit.py [--world 8] [--saves 30] [--runs 3] [--contend N] [--dir DIR]
 
 Each save: all ranks pass a barrier, call ``save_async`` on 4 small tensors (16 KiB a rank) and
 wait for ``result()`` (``keep_last=2``: retention runs after every commit); the figure is the
@@ -19,7 +19,9 @@ other work on the machine affects least.
 runs' medians, and as the ratio the median of the runs' own ratios (each run's saves against
 the floor measured just before them, on a host in the same state), then the ratio of the two
 medians. Each run starts with a host probe: the time of a fixed pure-Python loop, which moves
-by half or more within minutes on a shared virtual machine.
+by half or more within minutes on a shared virtual machine. ``--contend N``: N processes
+spin on the cores throughout the floor and the saves (users' nodes are never idle; a busy host
+made reproducible).
 
 The cost of waiting (``--wait-s``, 10 s; 0 skips it): in one process, rank 1 of a 2-rank job
 saves and waits for the commit while rank 0 saves only ``--wait-s`` seconds later (the main
@@ -65,6 +67,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
+import common  # noqa: E402
 import multirank  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -377,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--wait-s", type=float, default=10.0)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--contend", type=int, default=0,
+                    help="processes spinning on the cores during the floor and the saves")
     ap.add_argument("--lag", type=int, default=30, help="waits of the lag figure (0: skip)")
     ap.add_argument("--agent", action="store_true",
                     help="the saves through the node agent (the default path on Linux)")
@@ -426,12 +431,14 @@ def main(argv: list[str] | None = None) -> None:
     probes: list[float] = []
     for run in range(args.runs):
         probes.append(_host_probe())
-        with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root:
+        with tempfile.TemporaryDirectory(prefix="ckptd-commit-", dir=args.dir) as root, \
+                common.busy_processes(args.contend):
             floor = multirank.run(_floor_rank, args.world, root, args.saves, timeout=600)
             saves = multirank.run(_save_rank, args.world, os.path.join(root, "ckpt"),
                                   args.saves, args.agent, timeout=600)
-        print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves; "
-              f"host probe {probes[-1] * 1e3:.1f} ms\n")
+        busy = f"; busy processes: {args.contend}" if args.contend else ""
+        print(f"run {run + 1}: tiny save, W = {args.world} gloo ranks, {args.saves} saves"
+              f"{busy}; host probe {probes[-1] * 1e3:.1f} ms\n")
         print("| | median | p90 | fsyncs per save, rank 0 / others | CPU per save, rank 0 / "
               "others |\n|---|---:|---:|---:|---:|")
         print(row(f"ckptd{' (node agent)' if args.agent else ''}: save_async → every "
@@ -446,8 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nratio (median): {medians['save'][-1] / medians['floor'][-1]:.2f}× floor\n")
     save, floor_ = (statistics.median(medians[k]) for k in ("save", "floor"))
     ratios = [s / f for s, f in zip(medians["save"], medians["floor"], strict=True)]
-    print(f"medians of {args.runs} runs: save {save * 1e3:.1f} ms, floor {floor_ * 1e3:.1f} ms, "
-          f"ratio {statistics.median(ratios):.2f}× (the runs' own ratios: "
+    busy = f" ({args.contend} busy processes)" if args.contend else ""
+    print(f"medians of {args.runs} runs{busy}: save {save * 1e3:.1f} ms, floor "
+          f"{floor_ * 1e3:.1f} ms, ratio {statistics.median(ratios):.2f}× (the runs' own ratios: "
           + ", ".join(f"{r:.2f}" for r in ratios) + f"; ratio of the medians {save / floor_:.2f}×)"
           f"; CPU per save, all ranks: save {statistics.median(cpus['save']) * 1e3:.1f} ms, "
           f"floor {statistics.median(cpus['floor']) * 1e3:.1f} ms; host probe "
