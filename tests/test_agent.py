@@ -455,6 +455,22 @@ def _client_of(root: str, node: str) -> AgentClient:
                                node=node, paths=found[0])
 
 
+def test_a_client_s_reader_has_ended_when_close_returns(tmp_path, agents):
+    """``AgentClient.close`` closes the socket only once its reader thread has ended: closed
+    under a reader about to call ``recv``, the descriptor's number can be the next
+    connection's by then, and that reader takes the new connection's bytes (seen in CI: a
+    test's next client read the body of its first answer as a length, 2,065,854,320 bytes,
+    '{"op')."""
+    root = str(tmp_path / "root")
+    with ckptd.Checkpointer(root, rank=0, world_size=1, run_id="c", agent=True) as ckpt:
+        assert ckpt.executor == "agent"
+        for _ in range(20):
+            c = _client_of(root, agents.node)
+            c.held()
+            c.close()
+            assert not c._reader.is_alive(), "the reader outlived close()"
+
+
 def _holds_step(root: str, node: str, rank: int, step: int) -> bool:
     c = _client_of(root, node)
     try:

@@ -270,9 +270,14 @@ class AgentClient:
 
     def close(self) -> None:
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end of the stream
         except OSError:
             pass
+        # then the descriptor goes, once the reader has ended: closed under a reader about to
+        # call recv, its number may be the next connection's by then, whose bytes that reader
+        # would take (the next client then reads half a message)
+        if self._reader is not threading.current_thread():
+            self._reader.join(CLOSE_WAIT_S)
         self._sock.close()
         with self._lock:
             segments = [seg for _, seg in self._segments.values()]
@@ -370,6 +375,10 @@ class AgentClient:
             if not f.done():
                 f.set_exception(self._lost)
 
+
+# how long close() waits for the reader to see the end of the stream (it is woken at once,
+# unless a callback of a reply it delivers still runs)
+CLOSE_WAIT_S = 5.0
 
 _said_long: set[str] = set()  # socket paths reached through their directory, said once
 
