@@ -33,6 +33,9 @@ from ckptd.errors import CkptdError
 log = logging.getLogger("ckptd")
 
 START_TIMEOUT_S = 60.0  # a cold start imports torch
+# how long close() waits for the reader to see the end of the stream (it is woken at once,
+# unless a callback of a reply it delivers still runs)
+CLOSE_WAIT_S = 5.0
 
 
 class AgentLost(CkptdError):
@@ -375,10 +378,6 @@ class AgentClient:
             if not f.done():
                 f.set_exception(self._lost)
 
-
-# how long close() waits for the reader to see the end of the stream (it is woken at once,
-# unless a callback of a reply it delivers still runs)
-CLOSE_WAIT_S = 5.0
 
 _said_long: set[str] = set()  # socket paths reached through their directory, said once
 

@@ -64,7 +64,6 @@ class HeldStep:
     # ``copy.committed`` is False: ``CKPTD_PEER_COPY=staged``)
 
 
-
 class Holdings:
     def __init__(self, keep: int, budget: int | None,
                  give_back: Callable[[Any, int], None],

@@ -45,7 +45,6 @@ ASK_TIMEOUT_S = 5.0  # per peer, connecting and answering
 KEEP_RUNS = 64  # runs remembered per root: their order is what "superseded" means
 
 
-
 @dataclass(frozen=True)
 class JobKey:
     """Whose save a job is: the root, the run, the attempt, the rank."""
