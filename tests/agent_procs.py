@@ -29,7 +29,7 @@ def alive(pid: int) -> bool:
     try:  # a zombie (our own child, not reaped yet) is not running
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # it exited between the two looks
         return False
 
 

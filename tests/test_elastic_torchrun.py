@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from agent_procs import alive
 
 import ckptd
 from ckptd.cli import main
@@ -317,9 +318,7 @@ def test_the_cluster_leaves_no_process_behind_when_interrupted(tmp_path: Path) -
             seen |= {pid for pid, _ in _descendants({n.proc.pid for n in cluster.nodes})}
             assert len(seen) == 5  # the store, 2 agents, 2 workers
             raise KeyboardInterrupt  # Ctrl-C in the middle of training
-    alive = [pid for pid in seen if Path(f"/proc/{pid}").exists()
-             and "Z" not in Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2][:3]]
-    assert alive == []
+    assert [pid for pid in seen if alive(pid)] == []
 
 
 def test_ckptd_demo_runs_end_to_end_and_draws_the_history(
