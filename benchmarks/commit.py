@@ -43,10 +43,12 @@ the merge and the commit start or end — wrappers around those functions, nothi
 and the median over the saves of each event's time after the barrier (the slowest rank's, or
 the median rank's where said).
 
-Through the node agent (``--agent``): the same saves on the default path on Linux, where
-this node's agent process writes and commits every rank's share (its fsyncs are its own, not
-counted; rank 0's CPU column includes the agent's CPU per save, from ``/proc``); the agent is
-stopped at the end.
+With the node agent (``--agent``): the same saves on the default path on Linux, where this
+node's agent runs, and a rank's save under ``$CKPTD_AGENT_MIN_BYTES`` (default 1 MiB: these
+saves) is written by the rank itself. ``--agent every``: ``CKPTD_AGENT_MIN_BYTES=0``, the agent
+process writes and commits every rank's share. The fsyncs are not counted (the ranks' storage is
+the agent's to open); rank 0's CPU column includes the agent's CPU per save, from ``/proc``.
+The agent is stopped at the end.
 
 The lag (``--lag``, 30 waits; 0 skips it): in one process, a waiter polls a directory with the
 commit protocol's poller while a thread renames a name into it 13 ms later; the figure is the
@@ -98,9 +100,11 @@ def _agent_cpu_s(ckpt: object) -> float:
 
 
 def _save_rank(rank: int, world: int, root: str, saves: int,
-               agent: bool = False) -> tuple[list[float], float, float]:
-    """With ``agent``, the default path on Linux: the node agent writes and commits (its
-    fsyncs are not counted: nan); rank 0's CPU then includes the agent's, per save."""
+               agent: str | None = None) -> tuple[list[float], float, float]:
+    """With ``agent``, the default path on Linux (``"every"``: every save through the agent):
+    the fsyncs are not counted (nan); rank 0's CPU then includes the agent's, per save."""
+    if agent == "every":
+        os.environ["CKPTD_AGENT_MIN_BYTES"] = "0"
     import ckptd
     from ckptd.storage.local import LocalStorage
 
@@ -383,8 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contend", type=int, default=0,
                     help="processes spinning on the cores during the floor and the saves")
     ap.add_argument("--lag", type=int, default=30, help="waits of the lag figure (0: skip)")
-    ap.add_argument("--agent", action="store_true",
-                    help="the saves through the node agent (the default path on Linux)")
+    ap.add_argument("--agent", nargs="?", const="default", choices=("default", "every"),
+                    help="with the node agent: the default path on Linux (a save under "
+                         "$CKPTD_AGENT_MIN_BYTES written by its rank), or every save through "
+                         "the agent")
     ap.add_argument("--timeline", action="store_true",
                     help="only where a tiny save's time goes, event by event")
     ap.add_argument("--codec", type=int, nargs="?", const=2000, default=None, metavar="T",
@@ -410,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def row(name: str, xs: list[float], syncs: list[float], cpu: list[float]) -> str:
         xs = sorted(xs)
-        fsyncs = ("in the agent" if math.isnan(syncs[0])
+        fsyncs = ("not counted" if math.isnan(syncs[0])
                   else f"{syncs[0]:g} / {max(syncs[1:], default=0):g}")
         return (f"| {name} | {statistics.median(xs) * 1e3:.1f} ms | "
                 f"{xs[int(0.9 * (len(xs) - 1))] * 1e3:.1f} ms | {fsyncs} | {cpu[0] * 1e3:.1f} / "
@@ -441,7 +447,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{busy}; host probe {probes[-1] * 1e3:.1f} ms\n")
         print("| | median | p90 | fsyncs per save, rank 0 / others | CPU per save, rank 0 / "
               "others |\n|---|---:|---:|---:|---:|")
-        print(row(f"ckptd{' (node agent)' if args.agent else ''}: save_async → every "
+        where = {None: "", "default": " (node agent running, default path)",
+                 "every": " (every save through the node agent)"}[args.agent]
+        print(row(f"ckptd{where}: save_async → every "
                   "rank's result()", saves[0][0],
                   [s for _, s, _ in saves], [c for _, _, c in saves]))
         print(row("floor: the fsyncs it needs, barriers for the protocol", floor[0][0],

@@ -310,6 +310,10 @@ AGENT_TIMEOUT_S: Setting[float] = Setting(
 AGENT_DRAIN_S: Setting[float] = Setting(
     "CKPTD_AGENT_DRAIN_S", _number, 30.0, "how long a new Checkpointer waits for an earlier "
     "run's saves in the agent", trainer_only=True)
+AGENT_MIN_BYTES: Setting[int] = Setting(
+    "CKPTD_AGENT_MIN_BYTES", _size, 1 << 20, "a rank's save that stages fewer bytes than "
+    "this is written by the process itself even where a node agent runs (0: every save "
+    "through the agent)", trainer_only=True)
 RUN_ID: Setting[str | None] = Setting(
     "CKPTD_RUN_ID", str, None, "the job's run id, shared by every rank", trainer_only=True)
 DEBUG_OVERLAP: Setting[bool] = Setting(
@@ -351,9 +355,10 @@ AGENT_RELEASE_S: Setting[float] = Setting(
     "last trainer left")
 
 SETTINGS: tuple[Setting[Any], ...] = (
-    AGENT, AGENT_DIR, NODE_ID, AGENT_TIMEOUT_S, AGENT_DRAIN_S, RUN_ID, DEBUG_OVERLAP, DEBUG,
-    JOB_SECRET, AGENT_HOST, PEER_COPIES, PEER_RATE, PEER_COPY, AGENT_MEM_RESERVE,
-    AGENT_SHM_RESERVE, GRACE_S, AGENT_WRITE_BPS, AGENT_WRITE_RATE, AGENT_NICE, AGENT_RELEASE_S)
+    AGENT, AGENT_DIR, NODE_ID, AGENT_TIMEOUT_S, AGENT_DRAIN_S, AGENT_MIN_BYTES, RUN_ID,
+    DEBUG_OVERLAP, DEBUG, JOB_SECRET, AGENT_HOST, PEER_COPIES, PEER_RATE, PEER_COPY,
+    AGENT_MEM_RESERVE, AGENT_SHM_RESERVE, GRACE_S, AGENT_WRITE_BPS, AGENT_WRITE_RATE,
+    AGENT_NICE, AGENT_RELEASE_S)
 
 # ckptd's own test harness and benchmarks (not read by the library)
 _HARNESS = frozenset({"CKPTD_TEST_EXECUTOR", "CKPTD_BENCH_DIR", "CKPTD_CI_BUDGET_S"})

@@ -61,8 +61,10 @@ class Lifecycle:
         settings checked now), and what :meth:`open` will need."""
         # the same on every rank: whether loads ask every node's agent what it holds
         self._agents = not self.read_only and agent_wanted(agent, root, own_storage=own_storage)
+        self._min_bytes = 0  # with an agent: a rank's save under this is still written here
         if self._agents:
             timeout_s()  # a bad setting fails here, not at the first save
+            self._min_bytes = config.AGENT_MIN_BYTES.get()
         # the root as resolved here (an absolute path): an agent started elsewhere must not
         # resolve a relative one in its own working directory
         self._agent_spec = ({"url": self.url, "options": storage_options} if self._agents
@@ -146,7 +148,7 @@ class Lifecycle:
                              threads=self.threads, incarnation=options.incarnation,
                              rank=self.rank)
         auto = AutoCodec(options.threads) if options.compression == "auto" else None
-        executor = self._executor(options, client, auto)
+        executor = self._executor(options, client, auto, self._min_bytes)
         try:
             return Saver(self.storage, options, executor.signals, executor, auto)
         except BaseException:  # the root cannot be claimed: let go of the agent too
@@ -164,14 +166,14 @@ class Lifecycle:
         return self._run_id
 
     def _executor(self, options: SaveOptions, client: AgentClient | None,
-                  auto: AutoCodec | None) -> InProcess | AgentExecutor:
+                  auto: AutoCodec | None, min_bytes: int) -> InProcess | AgentExecutor:
         """What runs the saves' background half: this process's I/O threads, or the node
-        agent (with those as its fallback)."""
+        agent (with those as its fallback, which writes a save under ``min_bytes``)."""
         here = InProcess(self.storage, self._io, GroupStore.from_process_group(),
                          max(1, options.max_inflight), auto)
         if client is None:
             return here
-        return AgentExecutor(client, here, max(1, options.max_inflight), self.rank)
+        return AgentExecutor(client, here, max(1, options.max_inflight), self.rank, min_bytes)
 
     @property
     def inflight(self) -> tuple[SaveHandle, ...]:
@@ -207,9 +209,10 @@ class Lifecycle:
     @property
     def executor(self) -> str:
         """Where this rank's saves are written now: ``"agent"`` (the node agent takes each one
-        over once it is staged; ``ckptd agent --status`` tells what it holds), or
-        ``"process"`` (this process's own threads: with ``agent=False``, a read-only
-        Checkpointer, no agent to be had, or once the agent was lost)."""
+        over once it is staged, but for a save smaller than ``$CKPTD_AGENT_MIN_BYTES``, which
+        this process writes; ``ckptd agent --status`` tells what it holds), or ``"process"``
+        (this process's own threads: with ``agent=False``, a read-only Checkpointer, no agent
+        to be had, or once the agent was lost). Each save's own is ``SaveResult.executor``."""
         self.open()
         return self._saver.executor.name if self._saver is not None else "process"
 

@@ -4,6 +4,7 @@ agent started in it and checks that none is left."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing as mp
 import os
@@ -18,7 +19,10 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+import ckptd
+from ckptd.agent import client as client_module
 from ckptd.agent import wire
+from ckptd.writer import commit
 
 
 def alive(pid: int) -> bool:
@@ -40,6 +44,34 @@ def wait_until(cond, timeout_s: float, what: str) -> None:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
+
+
+def count_commit_waits(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often a trainer here waited for a commit and told its agent it saw one."""
+    calls = {"waited": 0, "told": 0}
+    wait, tell = commit.wait_committed, client_module.AgentClient.saw_commit
+
+    def waited(*a, **k):  # type: ignore[no-untyped-def]
+        calls["waited"] += 1
+        return wait(*a, **k)
+
+    def told(*a, **k):  # type: ignore[no-untyped-def]
+        calls["told"] += 1
+        return tell(*a, **k)
+
+    monkeypatch.setattr(commit, "wait_committed", waited)
+    monkeypatch.setattr(client_module.AgentClient, "saw_commit", told)
+    return calls
+
+
+@contextlib.contextmanager
+def two_agent_ranks(root: str) -> Iterator[tuple[ckptd.Checkpointer, ckptd.Checkpointer]]:
+    """Ranks 0 and 1 of one run in this process, each with its own session of this node's
+    agent (the ``agents`` fixture's)."""
+    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="r2", agent=True) as c0, \
+            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="r2", agent=True) as c1:
+        assert c0.executor == c1.executor == "agent"
+        yield c0, c1
 
 
 class Agents:

@@ -34,6 +34,11 @@ EXECUTOR = os.environ.get("CKPTD_TEST_EXECUTOR", "process")
 if EXECUTOR not in ("process", "agent"):
     raise SystemExit(f"CKPTD_TEST_EXECUTOR={EXECUTOR!r}: 'process' or 'agent'")
 os.environ["CKPTD_AGENT"] = "1" if EXECUTOR == "agent" else "0"
+# The tests' states are small: below the default CKPTD_AGENT_MIN_BYTES (1 MiB) a save would be
+# written in process even where an agent runs, and no test of the agent's path would reach it.
+# Every save a test gives an agent goes to it; test_agent_min_bytes.py unsets this and tests
+# the default's split.
+os.environ["CKPTD_AGENT_MIN_BYTES"] = "0"
 if EXECUTOR == "agent":
     os.environ["CKPTD_AGENT_DIR"] = tempfile.mkdtemp(prefix="ckag")
     os.environ["CKPTD_NODE_ID"] = f"suite{os.getpid()}"

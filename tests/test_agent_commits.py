@@ -6,49 +6,17 @@ agent."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
-from collections.abc import Iterator
 
-import pytest
 import torch
-from agent_procs import wait_until
+from agent_procs import count_commit_waits, two_agent_ranks, wait_until
 
 import ckptd
-from ckptd.agent import client as client_module
 from ckptd.agent import wire
-from ckptd.writer import commit
-
-
-def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """How often a trainer here waited for a commit and told its agent it saw one."""
-    calls = {"waited": 0, "told": 0}
-    wait, tell = commit.wait_committed, client_module.AgentClient.saw_commit
-
-    def waited(*a, **k):  # type: ignore[no-untyped-def]
-        calls["waited"] += 1
-        return wait(*a, **k)
-
-    def told(*a, **k):  # type: ignore[no-untyped-def]
-        calls["told"] += 1
-        return tell(*a, **k)
-
-    monkeypatch.setattr(commit, "wait_committed", waited)
-    monkeypatch.setattr(client_module.AgentClient, "saw_commit", told)
-    return calls
 
 
 def _state(rank: int, step: int) -> dict[str, object]:
     return {"w": ckptd.Shard(torch.full((8,), float(10 * step + rank)), (16,), (8 * rank,))}
-
-
-@contextlib.contextmanager
-def _two_ranks(root: str) -> Iterator[tuple[ckptd.Checkpointer, ckptd.Checkpointer]]:
-    """Ranks 0 and 1 of one run, each with its own session of this node's agent."""
-    with ckptd.Checkpointer(root, rank=0, world_size=2, run_id="c", agent=True) as c0, \
-            ckptd.Checkpointer(root, rank=1, world_size=2, run_id="c", agent=True) as c1:
-        assert c0.executor == c1.executor == "agent"
-        yield c0, c1
 
 
 def _running(agents) -> int:  # type: ignore[no-untyped-def]
@@ -59,8 +27,8 @@ def _running(agents) -> int:  # type: ignore[no-untyped-def]
 def test_the_ranks_of_the_coordinating_node_learn_the_commit_from_their_agent(
         tmp_path, agents, monkeypatch):
     root = str(tmp_path / "root")
-    calls = _counting(monkeypatch)
-    with _two_ranks(root) as (c0, c1):
+    calls = count_commit_waits(monkeypatch)
+    with two_agent_ranks(root) as (c0, c1):
         for step in (1, 2):
             # the previous step's jobs have ended (they count as running until after the reply)
             wait_until(lambda: _running(agents) == 0, 60, "the agent to finish its jobs")
@@ -78,8 +46,8 @@ def test_the_ranks_of_the_coordinating_node_learn_the_commit_from_their_agent(
 def test_a_rank_whose_job_ends_before_rank_0_s_arrives_waits_for_the_commit_itself(
         tmp_path, agents, monkeypatch):
     root = str(tmp_path / "root")
-    calls = _counting(monkeypatch)
-    with _two_ranks(root) as (c0, c1):
+    calls = count_commit_waits(monkeypatch)
+    with two_agent_ranks(root) as (c0, c1):
         h1 = c1.save_async(_state(1, 1), step=1)
         wait_until(lambda: glob.glob(f"{root}/step-000000001/ranks/*/00001.json"), 60,
                    "rank 1's partial")

@@ -23,6 +23,8 @@ def test_documentation_example_runs(code, tmp_path, monkeypatch):
     import os
 
     monkeypatch.chdir(tmp_path)
+    # the examples show what a user gets: small saves written in process where an agent runs
+    monkeypatch.delenv("CKPTD_AGENT_MIN_BYTES", raising=False)
     environ = dict(os.environ)  # what an example sets is undone after it
     import ckptd.checkpointer
 

@@ -3,6 +3,13 @@ is the agent's shared memory and, once staged, the job goes to the agent before
 ``save_async`` returns; files, partial and, on rank 0, the commit then happen there
 (:func:`ckptd.writer.job.run`, in the agent's process) and survive this one.
 
+A save whose rank stages fewer than ``$CKPTD_AGENT_MIN_BYTES`` (default 1 MiB) stays in
+this process: it stages into the fallback's memory and the fallback writes it. For such a save
+the agent's fixed work (a message each way, its own hand-offs between threads, one interpreter
+for the node's ranks) costs more than writing it here, and twice as much on a busy node
+(``docs/agent.md``, *Tradeoffs*); the commit protocol goes through storage, so the ranks of a
+step may be written by either.
+
 If the agent is lost (it died, stopped answering, or cannot hold an arena), the job in flight
 is finished here from the same arena, still mapped here — only its commit if the agent's
 partial shows its files are written — and every later job runs in process (the executor's
@@ -33,7 +40,8 @@ log = logging.getLogger("ckptd")
 class AgentExecutor:
     """The node agent runs the jobs of one Saver; ``fallback`` once it is lost."""
 
-    def __init__(self, client: AgentClient, fallback: InProcess, slots: int, rank: int) -> None:
+    def __init__(self, client: AgentClient, fallback: InProcess, slots: int, rank: int,
+                 min_bytes: int = 0) -> None:
         self.client, self.fallback, self.rank = client, fallback, rank
         self.storage: Storage = fallback.storage
         self.signals: GroupStore = fallback.signals
@@ -43,6 +51,7 @@ class AgentExecutor:
                                  allocate=client.allocate)
         client.on_release = self._pool.release_buffer
         self.spare_arenas = client.keep + int(client.peers)
+        self.min_bytes = min_bytes  # a smaller save is written here ($CKPTD_AGENT_MIN_BYTES)
         self._lost: BaseException | None = None
 
     # ------------------------------------------------------------------ what the Saver sees
@@ -68,6 +77,11 @@ class AgentExecutor:
             self._seen()
         return self._pool if self.alive else self.fallback.pool
 
+    def pool_for(self, nbytes: int) -> StagingPool:
+        """The agent's arenas, or this process's memory for a save under ``min_bytes``
+        (:meth:`start` gives a save staged there to the fallback)."""
+        return self.fallback.pool if nbytes < self.min_bytes else self.pool
+
     @property
     def hands_off(self) -> bool:
         return self.alive and self.client.peers
@@ -75,7 +89,8 @@ class AgentExecutor:
     # ------------------------------------------------------------------ jobs
     def start(self, job: SaveJob, arena: Arena, pool: StagingPool, *,
               stage_first: bool) -> Pending:
-        if pool is not self._pool:  # staged in this process's memory: the agent was lost
+        if pool is not self._pool:  # staged in this process's memory: a small save, or
+            # the agent was lost
             return self.fallback.start(job, arena, pool, stage_first=stage_first)
         if not self.alive:
             return self.fallback.start(job, arena, pool, stage_first=False)
@@ -130,18 +145,21 @@ class AgentExecutor:
         # (another rank: rank 0's job in the same agent committed it, and the agent took
         # note — an agent that does not say so leaves the wait to the Saver)
         return Outcome(int(reply["nbytes"]), float(reply.get("write_s", 0.0)), handed,
-                       committed=handed is None and reply.get("committed") is True)
+                       committed=handed is None and reply.get("committed") is True,
+                       executor="agent")
 
-    def saw_commit(self, rank: int, step: int) -> None:
+    def saw_commit(self, pending: Pending) -> None:
         """The agent keeps a step it wrote but did not commit beside the committed one until
-        it hears of the commit (``docs/agent.md``)."""
-        if not self.alive:
+        it hears of the commit (``docs/agent.md``); of a step written here it hears
+        nothing."""
+        if not self.alive or pending.ticket is None:
             return
+        share = pending.job.share
         try:
-            self.client.saw_commit(rank, step)  # answered later: _seen
+            self.client.saw_commit(share.rank, share.step)  # answered later: _seen
         except CkptdError as e:  # lost: it holds nothing any more
             log.warning("ckptd: the node agent did not take note of step %d's commit: %s",
-                        step, e)
+                        share.step, e)
 
     def _seen(self) -> None:
         """The agent's answers to :meth:`saw_commit`, waited for."""

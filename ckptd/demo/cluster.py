@@ -189,7 +189,11 @@ class Cluster:
         if self.agent_dir is not None:
             env.update(CKPTD_AGENT="1", CKPTD_NODE_ID=self.node_id(name),
                        CKPTD_AGENT_DIR=self.agent_dir, CKPTD_JOB_SECRET=self._secret,
-                       CKPTD_GRACE_S=str(self.grace_s), CKPTD_PEER_COPY="staged")
+                       CKPTD_GRACE_S=str(self.grace_s), CKPTD_PEER_COPY="staged",
+                       # the demo's model is tiny (kBs a rank): below the default 1 MiB a
+                       # rank's save would be written in process, and the agents it shows
+                       # would hold nothing
+                       CKPTD_AGENT_MIN_BYTES="0")
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)

@@ -9,8 +9,9 @@ outright (SIGKILL to everything on it, no warning); 3 nodes continue; the run fi
 
 Each node also runs a ckptd node agent (``docs/agent.md``; its own node id, one agent directory
 for the simulated machine, a job secret for the peer copies, sent as soon as a save is staged:
-``CKPTD_PEER_COPY=staged``): restarts read from the agents' memory, and the lost node's part from
-the copy its ring successor holds.
+``CKPTD_PEER_COPY=staged``; and ``CKPTD_AGENT_MIN_BYTES=0``, since the model's few kB a rank
+would otherwise be written in process): restarts read from the agents' memory, and the lost
+node's part from the copy its ring successor holds.
 
 The nodes are ``ckptd.demo.cluster``'s (and why torch 2.13 needs two settings for them).
 """

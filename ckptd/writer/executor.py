@@ -67,6 +67,7 @@ class Outcome:
     write_s: float
     handed_to: str | None = None
     committed: bool = False
+    executor: str = "process"  # what wrote it: "process" or "agent"
 
 
 class Executor(Protocol):
@@ -91,6 +92,9 @@ class Executor(Protocol):
     @property
     def pool(self) -> StagingPool: ...
 
+    def pool_for(self, nbytes: int) -> StagingPool:
+        """Where a save that stages ``nbytes`` stages (and so, who writes it)."""
+
     @property
     def alive(self) -> bool: ...
 
@@ -109,8 +113,8 @@ class Executor(Protocol):
     def finish(self, pending: Pending) -> Outcome:
         """Carry the job to its end; raises its failure (recorded and cleaned up already)."""
 
-    def saw_commit(self, rank: int, step: int) -> None:
-        """This rank saw its ``step`` commit (a rank other than 0)."""
+    def saw_commit(self, pending: Pending) -> None:
+        """This rank saw the step of the job it finished commit (a rank other than 0)."""
 
     def settle(self) -> None:
         """The retention owed, now: the Saver closes."""
@@ -136,6 +140,9 @@ class InProcess:
 
     @property
     def pool(self) -> StagingPool:
+        return self._pool
+
+    def pool_for(self, nbytes: int) -> StagingPool:
         return self._pool
 
     def writer(self, codec: str, level: int) -> RankWriter:
@@ -201,7 +208,7 @@ class InProcess:
             [(s.piece.tensor, s.offset, s.nbytes) for p in pending.job.round.plans
              for s in p.slots], pending.arena.tensor)
 
-    def saw_commit(self, rank: int, step: int) -> None:
+    def saw_commit(self, pending: Pending) -> None:
         pass
 
     def settle(self) -> None:

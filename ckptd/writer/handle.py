@@ -67,6 +67,9 @@ class SaveResult:
         waited_s: seconds ``save_async`` waited for earlier saves to finish before staging
             this one (``max_inflight`` saves were in flight; ``on_busy="block"``); 0.0 when
             it did not wait. Also ``wait_s`` in the metrics line.
+        executor: what wrote this rank's share: ``"agent"`` (the node agent) or
+            ``"process"`` (this process: no agent, a save smaller than
+            ``$CKPTD_AGENT_MIN_BYTES``, or the agent was lost). Also in the metrics line.
 
     Example:
         import tempfile
@@ -86,6 +89,7 @@ class SaveResult:
     handed_to: str | None = None
     skipped: bool = False
     waited_s: float = 0.0
+    executor: str = "process"
 
 
 class _Completed(Future[T]):

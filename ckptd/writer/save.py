@@ -234,8 +234,9 @@ class Saver:
         need = max(r.nbytes for r in self.plan(described))
         # the executor may hold more arenas (the node agent keeps a step in the one it was
         # staged in, and holds one while it copies a step to a peer)
-        pool = self.pool
-        arenas = [pool.acquire(need) for _ in range(1 + self.executor.spare_arenas)]
+        pool = self.executor.pool_for(need)
+        spare = self.executor.spare_arenas if pool is self.pool else 0
+        arenas = [pool.acquire(need) for _ in range(1 + spare)]
         for arena in arenas:
             pool.release(arena)
         return need
@@ -254,13 +255,13 @@ class Saver:
                                                              job.level)
             save.pending = self.executor.written(job, chunks)
         else:
-            pool = self.pool
+            pool = self.executor.pool_for(rounds[0].nbytes)
             try:
                 arena = pool.acquire(rounds[0].nbytes)
             except CkptdError:  # the agent cannot hold it: this save and the next stage here
                 if self.executor.alive:
                     raise
-                pool = self.pool
+                pool = self.executor.pool_for(rounds[0].nbytes)
                 arena = pool.acquire(rounds[0].nbytes)
             save.arena, save.pool = arena, pool
             if self.options.debug_overlap:
@@ -307,7 +308,7 @@ class Saver:
                 self._wait_committed(save)
             result = SaveResult(share.step, h.url, out.nbytes, h.stall_s,
                                 time.perf_counter() - t_staged, out.handed_to,
-                                waited_s=h.waited_s)
+                                waited_s=h.waited_s, executor=out.executor)
             self._record(result)
             h._mark_committed(result)
         except exiting.Abandoned as e:  # the process exits: others may still finish it
@@ -337,7 +338,8 @@ class Saver:
             if failures.attempt_failed(self.storage, share.step, share.attempt, self.signals):
                 discard(self.storage, save.job, partial=True)
             raise
-        self.executor.saw_commit(share.rank, share.step)
+        assert save.pending is not None
+        self.executor.saw_commit(save.pending)
 
     def _record(self, r: SaveResult) -> None:
         if self.options.rank != 0 and not log.isEnabledFor(logging.INFO):
@@ -345,7 +347,7 @@ class Saver:
         line = {"step": r.step, "rank": self.options.rank,
                 "world_size": self.options.world_size, "nbytes": r.nbytes,
                 "stall_s": round(r.stall_s, 6), "write_s": round(r.write_s, 6),
-                "wait_s": round(r.waited_s, 6),
+                "wait_s": round(r.waited_s, 6), "executor": r.executor,
                 "time": time.time()}
         text = json.dumps(line)
         log.info("ckptd save %s", text)
