@@ -219,7 +219,8 @@ class Lifecycle:
     @property
     def hands_off(self) -> bool:
         """Whether this rank's saves go to a node agent that, stopping (SIGTERM) and unable to
-        write a save inside the grace window, hands it to a peer's agent (``docs/agent.md``)."""
+        write a save inside the grace window, hands it to a peer's agent (``docs/agent.md``;
+        a save under ``$CKPTD_AGENT_MIN_BYTES`` is written in process and never handed)."""
         self.open()
         return self._saver is not None and self._saver.executor.hands_off
 
