@@ -31,7 +31,7 @@ _EXPORTS = {
     "TrainingSpec": "ckptd.elastic.specs",
     "MemoryEstimate": "ckptd.elastic.gpu_memory",
     "estimate_memory": "ckptd.elastic.gpu_memory",
-    "NoFeasiblePlan": "ckptd.elastic.search",
+    "NoFeasiblePlan": "ckptd.elastic.infeasible",
     "Plan": "ckptd.elastic.search",
     "replan": "ckptd.elastic.search",
     "parse_world_range": "ckptd.elastic.table",
