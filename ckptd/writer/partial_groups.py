@@ -75,7 +75,8 @@ class Groups:
         """Write ``batch``'s table and partials; then the queue that formed meanwhile goes to
         its first entry to write."""
         try:
-            partials = batch[0].writer.partials([(e.share, e.chunks) for e in batch])
+            partials = batch[0].writer.partials([(e.share, e.chunks) for e in batch],
+                                                checked=True)  # (in write_partial)
         except BaseException as e:  # noqa: BLE001 - each rank of the batch raises it
             for entry in batch:
                 entry.error = e
