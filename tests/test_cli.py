@@ -120,6 +120,31 @@ def test_inspect_shows_bytes_values_by_their_size(tmp_path, capsys):
     assert 'values: {"loader/n": 7, "loader/state": "<5 bytes>"}' in capsys.readouterr().out
 
 
+def test_inspect_json_reads_the_manifest_once_and_refuses_a_damaged_one(tmp_path, capsys,
+                                                                         monkeypatch):
+    from ckptd.storage.local import LocalStorage
+
+    root = _saved(tmp_path / "r", steps=(1,))
+    reads: list[str] = []
+    real = LocalStorage.read_bytes
+
+    def read_bytes(self, path):  # type: ignore[no-untyped-def]
+        reads.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
+    assert main(["inspect", "--json", root]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 1
+    assert reads.count("step-000000001/manifest.json") == 1
+    manifest = tmp_path / "r" / "step-000000001" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[-3] ^= 1  # in the tail: the digest no longer matches
+    manifest.write_bytes(bytes(raw))
+    assert main(["inspect", "--json", root]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "manifest" in captured.err and captured.err.count("\n") == 1
+
+
 def test_an_error_is_one_line_and_a_bug_is_one_line_with_a_hint(tmp_path, capsys, monkeypatch):
     assert main(["inspect", str(tmp_path / "nothing-here")]) == 2
     err = capsys.readouterr().err

@@ -12,6 +12,7 @@ from ckptd import catalog
 from ckptd.cli.common import (
     Add,
     add_ckpt,
+    ckpt_url,
     human,
     open_ckpt,
     open_root,
@@ -91,11 +92,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage, step, m = open_ckpt(args)
-    if args.json:  # the document as it is stored, in any format (checked by the decode above)
-        path = layout.manifest_path(step)
-        print(json.dumps(whole_doc(storage.read_bytes(path), path), indent=1))
+    if args.json:  # the document as it is stored, in any format, once its decode checked it
+        storage, step = catalog.open_url(ckpt_url(args), args.storage_options)
+        raw = catalog.read_raw(storage, step)
+        catalog.decode_manifest(storage, step, raw)
+        print(json.dumps(whole_doc(raw, layout.manifest_path(step)), indent=1))
         return 0
+    storage, step, m = open_ckpt(args)
     print(f"checkpoint {storage.url}/{layout.step_dir(step)}")
     print(
         f"step {m.step}   world size {m.world_size}   attempt {m.attempt}   "

@@ -49,6 +49,12 @@ def lead(prefix: bytes, where: str) -> Lead | None:
     is a :class:`CorruptCheckpoint` naming ``where``; so is a version newer than this reader's.
     The rest of the file is not checked here: a reader of the head or of the tensors checks
     the file's digest."""
+    found = _read(prefix, where)
+    return found[0] if found is not None else None
+
+
+def _read(prefix: bytes, where: str) -> tuple[Lead, re.Match[bytes]] | None:
+    """:func:`lead`, with the match its fields came from."""
     m = _LEAD.match(prefix)
     if m is None:
         return None
@@ -62,17 +68,17 @@ def lead(prefix: bytes, where: str) -> Lead | None:
         generation = None if m["generation"] is None else _int(int(m["generation"]))
     except ValueError:
         return None  # sealed by no writer of ckptd: the head says what is wrong
-    return Lead(step, attempt, generation)
+    return Lead(step, attempt, generation), m
 
 
 def parts(prefix: bytes, where: str) -> Parts | None:
     """Where a committed manifest of format 5 splits into head and tail, from the sealed lead
     in its first bytes (:func:`lead` checks it); None for any other manifest, which is read
     whole."""
-    found = lead(prefix, where)
-    m = _LEAD.match(prefix)
-    if found is None or found.generation is None or m is None or m["head"] is None:
+    found = _read(prefix, where)
+    if found is None or found[0].generation is None or found[1]["head"] is None:
         return None
+    m = found[1]
     head, tail = int(m["head"], 16), int(m["tail"], 16)
     if not (m.end() < head <= MAX_INT and tail <= MAX_INT):
         raise CorruptCheckpoint(f"{where}: the head length {head} does not fit the manifest")
