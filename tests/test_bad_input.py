@@ -13,9 +13,9 @@ from manifest_doc import file_of, row, set_file
 
 import ckptd
 from ckptd.manifest import layout as L
+from ckptd.manifest.encode import encode_doc
 from ckptd.manifest.parse import whole_doc
 from ckptd.manifest.rows import AT
-from ckptd.manifest.schema import encode_doc
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, CorruptCheckpoint
 from ckptd.loader.verify import verify
 from ckptd.manifest import layout as L
+from ckptd.manifest.encode import encode_doc
 from ckptd.manifest.parse import decode, whole_doc
 from ckptd.manifest.rows import AT, FIELDS
-from ckptd.manifest.schema import encode_doc
 from ckptd.storage.local import LocalStorage
 from ckptd.writer import commit
 

@@ -22,10 +22,10 @@ from ckptd import config
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import layout as L
 from ckptd.manifest import rows
+from ckptd.manifest.encode import encode_doc
 from ckptd.manifest.envelope import MAX_INT
 from ckptd.manifest.parse import decode, whole_doc
 from ckptd.manifest.rows import AT
-from ckptd.manifest.schema import encode_doc
 
 
 def _state(rank: int) -> dict[str, object]:

@@ -153,8 +153,8 @@ def test_a_partial_names_only_what_its_rank_wrote_not_what_a_replica_wrote(tmp_p
 def test_a_partial_of_version_1_naming_what_its_rank_holds_still_commits(tmp_path):
     """A root written mid-upgrade: rank 1's partial is in the previous form (its held tensors
     by name in "holds", no replica sets); ckptd finalize still merges and commits it."""
+    from ckptd.manifest.encode import encode_doc
     from ckptd.manifest.parse import decode, whole_doc
-    from ckptd.manifest.schema import encode_doc
     from ckptd.writer import commit
 
     state = {f"t{i}": torch.full((10,), float(i)) for i in range(8)}
@@ -325,8 +325,8 @@ def test_a_waiting_rank_learns_the_commit_from_the_manifests_first_bytes(tmp_pat
 
 
 def test_a_partial_of_a_newer_version_is_refused_naming_the_file(tmp_path):
+    from ckptd.manifest.encode import encode_doc
     from ckptd.manifest.parse import decode, whole_doc
-    from ckptd.manifest.schema import encode_doc
     from ckptd.writer import commit
 
     cs, storage, path = _uncommitted(str(tmp_path), {"w": torch.ones(4)})

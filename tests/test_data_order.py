@@ -366,8 +366,8 @@ def _reseal_training(root: Path, step: int, **changes: Any) -> None:
     """Change fields of a committed step's training metadata and seal the manifest again with a
     valid digest (the digest guards against damage; the validation against a bad value)."""
     from ckptd.manifest import layout
+    from ckptd.manifest.encode import encode_doc
     from ckptd.manifest.parse import whole_doc
-    from ckptd.manifest.schema import encode_doc
 
     path = root / layout.manifest_path(step)
     doc = whole_doc(path.read_bytes(), str(path))

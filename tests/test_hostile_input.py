@@ -21,10 +21,10 @@ from ckptd.cli import main as cli_main
 from ckptd.errors import CkptdError, CorruptCheckpoint, StorageError
 from ckptd.loader.verify import verify
 from ckptd.manifest import layout as L
+from ckptd.manifest.encode import encode_doc
 from ckptd.manifest.envelope import seal
 from ckptd.manifest.parse import decode, whole_doc
 from ckptd.manifest.rows import AT
-from ckptd.manifest.schema import encode_doc
 from ckptd.storage import posix
 from ckptd.storage.local import LocalStorage
 

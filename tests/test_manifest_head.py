@@ -15,8 +15,9 @@ import ckptd
 from ckptd import catalog
 from ckptd.cli import main as cli_main
 from ckptd.errors import CorruptCheckpoint
+from ckptd.manifest import encode
 from ckptd.manifest import layout as L
-from ckptd.manifest import schema
+from ckptd.manifest.encode import encode_doc
 from ckptd.manifest.envelope import VERSION
 from ckptd.manifest.lead import PREFIX_BYTES, lead
 from ckptd.manifest.parse import decode, head
@@ -110,7 +111,7 @@ def test_the_catalog_reads_only_the_lead_of_each_committed_manifest(tmp_path):
 def test_a_format_3_manifest_written_before_the_lead_is_read_to_its_head(tmp_path):
     root = str(tmp_path / "r")
     # the writer before the lead; patched in this process, so the save runs in it
-    with mock.patch.object(schema, "_lead_first", dict):
+    with mock.patch.object(encode, "_lead_first", dict):
         _save(root, 5, agent=False)
     raw = _raw(root, 5)
     assert b'"lead"' not in raw
@@ -198,7 +199,7 @@ def test_a_damaged_head_of_format_1_or_2_is_refused_naming_the_manifest(tmp_path
 
 def test_a_lead_of_a_newer_version_is_refused_naming_both(tmp_path):
     raw = _raw(_save(str(tmp_path / "r")), 4)
-    doc = schema.encode_doc({**decode(raw, "m").to_json(), "version": 99})
+    doc = encode_doc({**decode(raw, "m").to_json(), "version": 99})
     with pytest.raises(CorruptCheckpoint, match=rf"^m: format version 99 is newer .*\({VERSION}\)"):
         lead(doc[:PREFIX_BYTES], "m")
 
@@ -209,7 +210,7 @@ def test_an_attempt_id_too_long_for_the_prefix_leaves_the_lead_to_the_head(tmp_p
     root = _save(str(tmp_path / "r"))
     long = f"{'r' * 400}-000001"
     manifest = decode(_raw(root, 4), "m")
-    raw = schema.encode_doc({**manifest.to_json(), "attempt": long})
+    raw = encode_doc({**manifest.to_json(), "attempt": long})
     _write(root, 4, raw)
     assert b'"lead"' in raw and lead(raw[:PREFIX_BYTES], "m") is None
     storage = _Reads(root)

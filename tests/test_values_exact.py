@@ -82,8 +82,8 @@ def test_a_bytes_value_that_is_not_base64_is_a_corrupt_checkpoint(tmp_path):
     root = tmp_path / "root"
     with ckptd.Checkpointer(str(root)) as ck:
         ck.save({"blob": b"abc"}, step=1)
+    from ckptd.manifest.encode import encode_doc
     from ckptd.manifest.parse import whole_doc
-    from ckptd.manifest.schema import encode_doc
 
     path = root / L.step_dir(1) / L.MANIFEST
     doc = whole_doc(path.read_bytes(), str(path))

@@ -21,7 +21,7 @@ from ckptd.manifest.fields import plain_name as _name
 # an attempt id of ~280 (one that names files is at most 255: a file name's limit)
 PREFIX_BYTES = 512
 
-# A committed manifest's lead as the writer makes it (schema.LEAD_KEYS); one of format 3 written
+# A committed manifest's lead as the writer makes it (encode.LEAD_KEYS); one of format 3 written
 # before the lead seal stops after the attempt. Integers are bounded by their digits, the
 # attempt by PREFIX_BYTES (a longer one leaves the lead unread: read the head).
 _LEAD = re.compile(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,19 +24,8 @@ from ckptd import dtypes
 from ckptd.errors import CorruptCheckpoint
 from ckptd.manifest import codecs
 from ckptd.manifest import values as typed
-from ckptd.manifest.envelope import (
-    FORMAT,
-    HEAD_DIGEST_MARK,
-    LEAD_MARK,
-    MAX_INT,
-    TENSORS_KEY,
-    VERSION,
-    seal_head,
-    seal_in_place,
-    seal_lead,
-    tail_field,
-    unsealed_start,
-)
+from ckptd.manifest.encode import TensorDoc, encode_file
+from ckptd.manifest.envelope import FORMAT, MAX_INT, VERSION
 from ckptd.manifest.frames import FrameRef, FrameTable, TableSource, check_sizes
 from ckptd.regions import Box
 
@@ -47,7 +35,6 @@ if TYPE_CHECKING:
     from ckptd.manifest.entries import RangedTail
 
 LOCAL_PREFIX = "__local__"  # ckptd.sharding.LOCAL_PREFIX: per-rank values' names
-TensorDoc = tuple[str, str, list[int], list[Any]]  # name, dtype, shape, chunks (rows)
 
 CHECKSUM = "xxh3_64"
 # A partial's own version, under the key "partial" (absent: 1). 1: the tensors a rank holds but
@@ -325,115 +312,4 @@ class Manifest:
         made and encoded in turn (a manifest of 50,000 chunks never exists as one JSON
         object)."""
         keys = Keys.of(self.tensors)
-        return _encode(self._head(keys), self._tensor_docs(keys))
-
-
-def encode_doc(doc: dict[str, Any]) -> bytes:
-    """A manifest file (format 3 on, ``docs/format.md``) from its whole JSON form
-    (``to_json``): compact JSON whose first key is its own digest (:func:`seal`), then the
-    length of its tail; the head holds an index of every tensor's dtype, shape and the byte
-    range of its chunks in the tail, so that a reader parses the head and only the entries it
-    needs. A partial of version 3 has no index: its tail holds each tensor's dtype, shape and
-    chunks (the coordinator parses it whole)."""
-    head = {k: v for k, v in doc.items() if k not in (
-        "digest", "tail", "head", "lead", "head_digest", "index", "tensors", "nbytes")}
-    return _encode(head, ((n, t["dtype"], t["shape"], t["chunks"])
-                          for n, t in doc["tensors"].items()))
-
-
-def _entries(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> tuple[list[bytes], int]:
-    """Each tensor's ``"name":{"chunks":[...]}`` and the length of the tensors object before
-    its closing brace; ``head`` gets their index (where each entry is, and in a committed
-    manifest of format 5 its digest, so that a load reads and checks only the entries it
-    needs: ckptd.manifest.entries) and ``nbytes``."""
-    committed = "head_digest" in head
-    texts: list[bytes] = []
-    index: dict[str, list[Any]] = {}
-    nbytes = 0
-    pos = 1  # inside the tensors object, after its "{"
-    for name, dtype, shape, chunks in tensors:
-        key = _COMPACT.encode(name).encode() + b":"
-        body = _COMPACT.encode({"chunks": chunks}).encode()
-        if texts:
-            pos += 1  # the comma before it
-        index[name] = [dtype, shape, pos + len(key), len(body)]
-        if committed:
-            index[name].append(xxhash.xxh3_64_hexdigest(body))
-        texts.append(key + body)
-        pos += len(key) + len(body)
-        nbytes += sum(_raw_bytes(dtype, c) for c in chunks)
-    head["nbytes"] = nbytes
-    head["index"] = index
-    return texts, pos
-
-
-# A committed manifest's first keys, in this order, then their seal: its *lead*, which a reader
-# of the first bytes alone trusts (ckptd.manifest.lead; docs/format.md)
-LEAD_KEYS = ("format", "version", "checksum", "step", "attempt", "generation")
-
-
-def _lead_first(head: dict[str, Any]) -> dict[str, Any]:
-    """``head`` with its lead first, the lead seal's place after it and the head digest's after
-    that (partials have none: only the coordinator reads them, whole)."""
-    if "rank" in head or not all(k in head for k in LEAD_KEYS):
-        return dict(head)
-    out = {k: head[k] for k in LEAD_KEYS}
-    out["lead"] = "xxh3_64:" + "0" * 16
-    if head["version"] >= 5:  # a document of an older version is encoded as it was written
-        out["head_digest"] = "xxh3_64:" + "0" * 16
-    out.update((k, v) for k, v in head.items() if k not in out)
-    return out
-
-
-def _raw_bytes(dtype: str, chunk: Any) -> int:
-    """A chunk's raw length, from its row (its box's elements × the item size) or its object
-    (versions 1-4: ``length``), for the head's ``nbytes``. A document edited by hand may say
-    nothing sensible: 0 then (a reader checks every chunk, and uses ``nbytes`` for listings)."""
-    try:
-        if isinstance(chunk, dict):
-            return int(chunk["length"])
-        return int(math.prod(chunk[1])) * dtypes.ITEMSIZE[dtype]
-    except (KeyError, IndexError, TypeError, ValueError):
-        return 0
-
-
-# json.dumps(..., separators=(",", ":")) without making an encoder for each call (a partial's
-# encode called it once a tensor)
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-
-
-def _encode(head: dict[str, Any], tensors: Iterable[TensorDoc]) -> bytes:
-    head = _lead_first(head)
-    if "rank" in head and head.get("partial", 1) >= 3:  # no index: parsed whole
-        body = _COMPACT.encode({name: [dtype, shape, chunks]
-                                for name, dtype, shape, chunks in tensors}).encode()
-        texts = [body[1:-1]] if len(body) > 2 else []
-        pos = len(body) - 1
-    else:
-        texts, pos = _entries(head, tensors)
-    head_json = _COMPACT.encode(head).encode()
-    # seal(tail_field + head + tail) built in one buffer: each tensor's text is freed as it is
-    # appended (the manifest of a 1024-rank reshard is ~10 MB; the texts, the joined tail, the
-    # body, the unsealed and the sealed document were five copies of it)
-    out = unsealed_start()
-    tail = len(TENSORS_KEY) + pos + 2  # TENSORS_KEY{<texts>}}
-    head_end = None
-    if "head_digest" in head:  # fixed-width fields: the head's length is known before it is written
-        head_end = len(out) + len(tail_field(tail, 0)) - 1 + len(head_json) - 2
-    out += tail_field(tail, head_end)[1:]
-    out += head_json[1:-1]
-    assert head_end is None or len(out) == head_end
-    out += TENSORS_KEY + b"{"
-    texts.reverse()
-    while texts:
-        out += texts.pop()
-        if texts:
-            out += b","
-    out += b"}}"
-    if "lead" in head:  # the first mark: the keys before it are the writer's own
-        lead_end = out.index(LEAD_MARK) + len(LEAD_MARK) + 17
-        seal_lead(out, lead_end)
-        if head_end is not None:
-            assert out.startswith(HEAD_DIGEST_MARK, lead_end)
-            seal_head(out, lead_end, head_end)
-    return bytes(seal_in_place(out))
+        return encode_file(self._head(keys), self._tensor_docs(keys))
