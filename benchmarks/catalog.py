@@ -27,7 +27,7 @@ from common import fmt_bytes, scratch  # noqa: E402
 
 from ckptd import catalog  # noqa: E402
 from ckptd.buffers import Buffer  # noqa: E402
-from ckptd.manifest import layout, schema  # noqa: E402
+from ckptd.manifest import encode, layout  # noqa: E402
 from ckptd.manifest.frames import FrameRef  # noqa: E402
 from ckptd.manifest.schema import Chunk, Manifest, TensorEntry  # noqa: E402
 from ckptd.regions import Box  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
         for name, lead in (("with a lead", True), ("without (read whole)", False)):
             root = tempfile.mkdtemp(prefix="ckptd-catalog-", dir=where)
             # without: as the writer made them before the lead was sealed
-            unsealed = mock.patch.object(schema, "_lead_first", dict)
+            unsealed = mock.patch.object(encode, "_lead_first", dict)
             with contextlib.nullcontext() if lead else unsealed:
                 size, nbytes, requests, cpu = measure(root, base, args.steps)
             print(f"| {args.steps} {name} | {fmt_bytes(size)} | {fmt_bytes(nbytes)} | "
