@@ -12,8 +12,7 @@ Its floor is 0: every figure here is work the fsyncs do not need. The main threa
 includes the benchmark's barrier before each save. With ``--agent`` every save goes
 through the node agent (``CKPTD_AGENT_MIN_BYTES=0``: by default a save this small is written by
 its rank even where an agent runs), whose CPU per save (from ``/proc/<pid>/stat``) is a row of
-its own; its threads are not told apart. A thread that
-ended during the saves is not counted.
+its own; its threads are not told apart. A thread that ended during the saves is not counted.
 
 CPU time on a shared or virtual machine includes what other work costs this one (cache,
 context switches, a host's steal counted as the guest's): compare runs made side by side.

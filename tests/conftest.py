@@ -51,6 +51,7 @@ if EXECUTOR == "agent":
 SAME_UNDER_EITHER = {
     "test_agent.py", "test_agent_gate.py", "test_agent_kills.py", "test_agent_holdings.py",
     "test_agent_memory_use.py", "test_agent_restart.py", "test_agent_s3.py",
+    "test_agent_commits.py", "test_agent_min_bytes.py",
     "test_agent_trust.py", "test_data_order.py", "test_data_shuffle.py", "test_regions.py",
     "test_replan.py", "test_public_api.py", "test_gcpause.py", "test_benchmarks.py",
 }

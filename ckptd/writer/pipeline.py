@@ -254,8 +254,9 @@ class RankWriter:
         """``partial`` of several ranks of one attempt, with one frame table for them all
         (named after the first rank): a reshard to a thousand ranks writes one per wave.
         ``checked``: the caller has passed each rank's chunks through :func:`check_chunks`."""
-        for share, chunks in ranks if not checked else ():
-            check_chunks(share, chunks)
+        if not checked:
+            for share, chunks in ranks:
+                check_chunks(share, chunks)
         share0 = ranks[0][0]
         table = layout.frame_table(share0.attempt, share0.rank)
         blob, refs = table_file([c.frames for _, chunks in ranks for _, c in chunks
